@@ -1,0 +1,31 @@
+# Two entry points, each doing its own idempotent set-up:
+#   make repro   set up, then run the pipeline (dvc repro) on params.yaml
+#   make test    set up, then run the test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup repro test java clean-venv
+
+setup: $(STAMP) java
+
+# Reinstall only when a requirements file changes.
+$(STAMP): requirements.txt requirements-nodeps.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps -r requirements-nodeps.txt
+	touch $(STAMP)
+
+# TorchServe needs Java 17: check, and install it when missing and possible.
+java:
+	@bash scripts/ensure_java.sh
+
+repro: setup
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc repro
+
+test: setup
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

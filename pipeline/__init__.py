@@ -1,0 +1,1 @@
+"""Model-optimization build pipeline for TorchServe (see README.md)."""

@@ -1,0 +1,338 @@
+"""params.yaml: the typed contract, validated once at the edge.
+
+Every stage calls `load_params()` first. A mistake (unknown key, wrong type, unknown variant or
+task) raises `ParamsError` naming the key, the bad value and what is allowed, before any work.
+Inside the pipeline the result is plain frozen dataclasses; `as_dict()` turns them back into
+plain data for records.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PARAMS = REPO_ROOT / "params.yaml"
+
+VARIANTS = ("eager", "torchscript", "fp16", "bf16", "onnx", "onnx-fp16", "aoti")
+TASKS = ("text-embedding", "image-classification", "tensor")
+SOURCES = ("hf", "state_dict", "torchscript")
+PKG_PREFIX = "pkg:"
+
+
+class ParamsError(ValueError):
+    """params.yaml is wrong; the message names the key, the value and what is allowed."""
+
+
+# --------------------------------------------------------------------------- schema
+@dataclass(frozen=True)
+class TextParams:
+    max_length: int = 128          # tokens; longer texts are truncated, shorter padded to the batch's longest
+
+
+@dataclass(frozen=True)
+class ImageParams:
+    size: int = 224                # square input side, pixels
+    mean: float = 127.0            # input = (pixel - mean) / std, per channel, RGB
+    std: float = 128.0
+    top_k: int = 5
+    labels: Optional[str] = None   # JSON list of class names (pkg:/relative/absolute); None → "class_<i>"
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    name: str
+    source: Literal["hf", "state_dict", "torchscript"]
+    checkpoint: str
+    task: Literal["text-embedding", "image-classification", "tensor"]
+    factory: Optional[str] = None              # "pkg.module:fn" or "path/to/file.py:fn"; state_dict only
+    factory_kwargs: dict = field(default_factory=dict)
+    input_shape: Optional[list[int]] = None    # tensor task: one sample, batch dim excluded
+    trust_checkpoint: bool = False             # allow full pickle (runs code from the file!)
+    text: TextParams = field(default_factory=TextParams)
+    image: ImageParams = field(default_factory=ImageParams)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    min_cosine: float
+
+
+def _default_tolerances() -> dict:
+    return {
+        "float32": Tolerance(atol=1e-4, rtol=1e-3, min_cosine=0.99999),
+        "float16": Tolerance(atol=2e-2, rtol=5e-2, min_cosine=0.999),
+        "bfloat16": Tolerance(atol=8e-2, rtol=1e-1, min_cosine=0.995),
+    }
+
+
+@dataclass(frozen=True)
+class ConversionParams:
+    timeout_s: int = 900                       # per variant, its own process
+    onnx_opset: int = 18
+    tolerances: dict[str, Tolerance] = field(default_factory=_default_tolerances)
+    min_topk_agreement: float = 0.99           # classification: share of samples whose top-1 matches
+    golden_seed: int = 0
+    golden_batches: int = 3                    # distinct batches per verified batch size
+
+
+@dataclass(frozen=True)
+class BenchmarkParams:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    threads: int = 0                           # intra-op threads; 0 → what one serving worker gets
+    cold_runs: int = 5                         # fresh processes per variant
+    warmup_iters: int = 5
+    min_iters: int = 20
+    min_duration_s: float = 1.0
+    max_cv: float = 0.15                       # re-measure once above this, then flag as noisy
+    min_gain: float = 0.05                     # stop the sweep when throughput gains fall under this
+    latency_cap_ms: float = 2000.0             # stop the sweep when p99 passes this (own key: not serve.*)
+    text_length: int = 64                      # tokens per sample for text benchmarks
+    tensorrt: bool = False                     # ONNX on GPU: try the TensorRT EP first
+
+
+@dataclass(frozen=True)
+class ServeOverrides:
+    batch_size: Optional[int] = None
+    max_batch_delay_ms: Optional[int] = None
+    workers: Optional[int] = None
+    threads_per_worker: Optional[int] = None
+    startup_timeout_s: Optional[int] = None
+    response_timeout_s: Optional[int] = None
+    job_queue_size: Optional[int] = None
+    max_request_size: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ServeParams:
+    latency_slo_ms: float = 200.0              # p99 per request, batching delay included
+    objective: Literal["throughput", "latency", "cold_load"] = "throughput"
+    require_slo: bool = False
+    memory_budget_mb: float = 4096.0           # per worker
+    max_cold_load_s: Optional[float] = None
+    target_disk_read_mb_s: Optional[float] = None
+    platform: Literal["linux", "windows"] = "linux"
+    bind_address: str = "127.0.0.1"
+    model_store: Optional[str] = None          # path on the deployment host; None → artifacts/model_store
+    startup_safety: float = 3.0
+    startup_margin_s: float = 10.0
+    startup_floor_s: int = 30
+    response_safety: float = 5.0
+    response_floor_s: int = 5
+    expected_concurrency: int = 16
+    overrides: ServeOverrides = field(default_factory=ServeOverrides)
+
+
+@dataclass(frozen=True)
+class ServeCheckParams:
+    requests: int = 320
+    concurrency: int = 16
+    time_cap_s: float = 120.0
+    baseline: bool = True
+
+
+@dataclass(frozen=True)
+class PublishParams:
+    remote: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Params:
+    model: ModelParams
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    conversion: ConversionParams = field(default_factory=ConversionParams)
+    benchmark: BenchmarkParams = field(default_factory=BenchmarkParams)
+    serve: ServeParams = field(default_factory=ServeParams)
+    serve_check: ServeCheckParams = field(default_factory=ServeCheckParams)
+    publish: PublishParams = field(default_factory=PublishParams)
+
+
+# --------------------------------------------------------------------------- validation
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list ({_type_name(typing.get_args(tp)[0])} each)"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    if tp is type(None):
+        return "null"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
+
+
+def _bad(key: str, value: Any, allowed: str) -> ParamsError:
+    return ParamsError(f"params.yaml: `{key}` = {value!r} is invalid; allowed: {allowed}")
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, key)
+            except ParamsError:
+                pass
+        raise _bad(key, value, _type_name(tp))
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise _bad(key, value, _type_name(tp))
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise _bad(key, value, _type_name(tp))
+        (item_tp,) = typing.get_args(tp)
+        return [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _bad(key, value, _type_name(tp))
+        _, value_tp = typing.get_args(tp)
+        return {str(k): _convert(value_tp, v, f"{key}.{k}") for k, v in value.items()}
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise _bad(key, value, "a mapping")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _bad(key, value, "true/false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(key, value, "an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad(key, value, "a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _bad(key, value, "a string")
+        return value
+    raise TypeError(f"schema type {tp} not supported")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise _bad(prefix or "<top level>", data, "a mapping")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"`{prefix}`" if prefix else "the top level"
+        raise ParamsError(
+            f"params.yaml: unknown key `{_join(prefix, unknown[0])}` under {where}; "
+            f"allowed keys: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, f in fields.items():
+        key = _join(prefix, name)
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], key)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ParamsError(f"params.yaml: required key `{key}` is missing ({_type_name(hints[name])})")
+    return cls(**kwargs)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _check_semantics(p: Params) -> None:
+    for i, v in enumerate(p.variants):
+        if v not in VARIANTS:
+            raise _bad(f"variants[{i}]", v, ", ".join(VARIANTS))
+    if len(set(p.variants)) != len(p.variants):
+        raise _bad("variants", p.variants, "each variant at most once")
+    if "eager" not in p.variants:
+        raise _bad("variants", p.variants, "a list that includes 'eager' (the reference every variant is checked against)")
+    m = p.model
+    if m.source == "state_dict" and not m.factory:
+        raise ParamsError("params.yaml: `model.factory` is required when `model.source` is 'state_dict' "
+                          "(e.g. `pkg.module:build` or `path/to/file.py:build`)")
+    if m.factory and ":" not in m.factory:
+        raise _bad("model.factory", m.factory, "'pkg.module:function' or 'path/to/file.py:function'")
+    if m.task == "tensor":
+        if not m.input_shape:
+            raise ParamsError("params.yaml: `model.input_shape` is required when `model.task` is 'tensor' "
+                              "(the shape of ONE sample, batch dimension excluded, e.g. [16, 32])")
+        if any(d <= 0 for d in m.input_shape):
+            raise _bad("model.input_shape", m.input_shape, "positive dimensions")
+    if not p.benchmark.batch_sizes or any(b <= 0 for b in p.benchmark.batch_sizes):
+        raise _bad("benchmark.batch_sizes", p.benchmark.batch_sizes, "a non-empty list of positive integers")
+    if sorted(set(p.benchmark.batch_sizes)) != p.benchmark.batch_sizes:
+        raise _bad("benchmark.batch_sizes", p.benchmark.batch_sizes, "strictly increasing sizes")
+    for dtype in ("float32", "float16", "bfloat16"):
+        if dtype not in p.conversion.tolerances:
+            raise _bad("conversion.tolerances", sorted(p.conversion.tolerances), "float32, float16 and bfloat16 all present")
+    if p.serve.latency_slo_ms <= 0:
+        raise _bad("serve.latency_slo_ms", p.serve.latency_slo_ms, "a positive number of milliseconds")
+    if not _NAME_OK(m.name):
+        raise _bad("model.name", m.name, "letters, digits, '_', '-', '.', starting with a letter or digit")
+
+
+def _NAME_OK(name: str) -> bool:
+    import re
+    return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_\-.]*", name) is not None
+
+
+def parse_params(data: Any) -> Params:
+    """Validate an already-parsed params mapping."""
+    params = _build(Params, data, "")
+    _check_semantics(params)
+    return params
+
+
+def load_params(path: str | os.PathLike | None = None) -> Params:
+    path = Path(path) if path else DEFAULT_PARAMS
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ParamsError(f"params file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML: {e}") from None
+    return parse_params(data)
+
+
+def as_dict(obj: Any) -> Any:
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+
+
+# --------------------------------------------------------------------------- paths
+def resolve_path(spec: str, base: Path = REPO_ROOT) -> Path:
+    """`pkg:<module>/<sub/path>` → inside the installed package (no machine path committed);
+    relative → against the repo root; absolute → as is."""
+    if spec.startswith(PKG_PREFIX):
+        module, _, sub = spec[len(PKG_PREFIX):].partition("/")
+        found = importlib.util.find_spec(module)
+        if found is None or not found.submodule_search_locations:
+            raise ParamsError(f"`{spec}`: Python package `{module}` is not installed; "
+                              f"install it (see requirements.txt) or give a file path")
+        return Path(list(found.submodule_search_locations)[0]) / sub
+    p = Path(spec).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+def checkpoint_path(params: Params) -> Path:
+    return resolve_path(params.model.checkpoint)
