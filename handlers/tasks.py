@@ -1,0 +1,364 @@
+"""Task adapters: HTTP body <-> model feeds/outputs, one class per task.
+
+Runs inside TorchServe as well as in the pipeline, so it imports only numpy, tokenizers, PIL and
+the standard library (never torch, never `pipeline/`). Built as `make_adapter(model_dir, task)`
+where `task` is variant.json's "task" mapping (kind + settings, optionally `max_request_bytes`).
+
+- `decode(body, content_type) -> {input: array}` one sample, no batch dim; bad input raises
+  `RequestError` (400 bad content, 413 too large, 415 wrong content type).
+- `collate(samples) -> feeds` batch-first (text: padded to the batch's longest).
+- `respond(outputs, i) -> JSON-able` response of sample i.
+- `example_feeds(batch_size, seq_len=None)` deterministic synthetic feeds (warm-up, benchmarks).
+- `example_requests(n, seed)` deterministic valid (body bytes, content type) pairs.
+
+TorchServe hands a JSON body already decoded (dict/list) when Content-Type is application/json,
+text/* as str, anything else as bytes/bytearray: all are accepted.
+"""
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+JSON_TYPES = ("application/json",)
+
+
+class RequestError(Exception):
+    """A client mistake: `.status` is the HTTP code, the message says what is wrong and how to fix it."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+
+    def as_response(self) -> dict:
+        return {"error": self.message, "status": self.status}
+
+
+def _media_type(content_type: str | None) -> str:
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def _body_size(body: Any) -> int | None:
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        return len(body)
+    if isinstance(body, str):
+        return len(body.encode("utf-8", "surrogatepass"))
+    return None   # already decoded by the server: its size was checked there (max_request_size)
+
+
+def _parse_json(body: Any) -> Any:
+    """JSON from bytes/str, or the already-decoded object TorchServe hands over."""
+    if isinstance(body, (dict, list)):
+        return body
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        try:
+            body = bytes(body).decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(400, "request body is not UTF-8 text; send JSON encoded as UTF-8") from None
+    if not isinstance(body, str):
+        raise RequestError(400, f"request body of type {type(body).__name__} cannot be read as JSON")
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as e:
+        raise RequestError(400, f"request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                                f"send a well-formed JSON document") from None
+
+
+def _text_of(body: Any) -> str:
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        try:
+            return bytes(body).decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(400, "request body is not UTF-8 text; encode the text as UTF-8") from None
+    if isinstance(body, str):
+        return body
+    raise RequestError(400, f"request body of type {type(body).__name__} is not text")
+
+
+class TaskAdapter:
+    kind = ""
+
+    def __init__(self, model_dir: str | Path, task: dict):
+        self.model_dir = Path(model_dir)
+        self.task = dict(task)
+        limit = self.task.get("max_request_bytes")
+        self.max_request_bytes = int(limit) if limit else None
+
+    # -- shared checks
+    def _check_size(self, body: Any) -> None:
+        size = _body_size(body)
+        if self.max_request_bytes and size is not None and size > self.max_request_bytes:
+            raise RequestError(413, f"request body is {size} bytes, over the limit of {self.max_request_bytes} "
+                                    f"bytes; send a smaller input")
+
+    def decode(self, body: Any, content_type: str | None = None) -> dict[str, np.ndarray]:
+        if body is None or (isinstance(body, (bytes, bytearray, str)) and len(body) == 0):
+            raise RequestError(400, f"request body is empty; {self.usage()}")
+        self._check_size(body)
+        return self._decode(body, _media_type(content_type))
+
+    def usage(self) -> str:
+        raise NotImplementedError
+
+    def _decode(self, body: Any, media: str) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def collate(self, samples: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        if not samples:
+            raise ValueError("collate needs at least one sample")
+        return {name: np.stack([s[name] for s in samples]) for name in samples[0]}
+
+    def respond(self, outputs: list[np.ndarray], i: int) -> Any:
+        raise NotImplementedError
+
+    def example_feeds(self, batch_size: int, seq_len: int | None = None) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def example_requests(self, n: int, seed: int = 0) -> list[tuple[bytes, str]]:
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- text-embedding
+_WORDS = ("the a one every small large red quiet bright old new fast slow happy tired curious river city "
+          "guitar music market morning evening window garden train engine forest ocean story teacher student "
+          "doctor farmer child dog cat bird plays reads builds carries watches finds opens writes sings runs "
+          "walks near under over behind across through during after before with without because while and "
+          "but so yesterday today tomorrow slowly quickly carefully loudly softly again together alone").split()
+
+
+class TextEmbeddingAdapter(TaskAdapter):
+    kind = "text-embedding"
+
+    def __init__(self, model_dir, task):
+        super().__init__(model_dir, task)
+        from tokenizers import Tokenizer   # only this task needs it
+        path = self.model_dir / self.task.get("tokenizer", "tokenizer.json")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: tokenizer.json missing from the model folder")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.max_length = int(self.task.get("max_length", 128))
+        padding = self.tokenizer.padding or {}
+        self.pad_id = int(padding.get("pad_id", self.tokenizer.token_to_id("[PAD]") or 0))
+        # tokenizer.json may ship fixed padding (MiniLM: 128); pad per batch in collate instead.
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(self.max_length)
+
+    def usage(self) -> str:
+        return ('send text as text/plain, or JSON {"text": "..."} with Content-Type application/json')
+
+    def _decode(self, body, media):
+        if media in JSON_TYPES or isinstance(body, (dict, list)):
+            doc = _parse_json(body)
+            if isinstance(doc, dict):
+                text = doc.get("text", doc.get("inputs"))
+            else:
+                text = doc if isinstance(doc, str) else None
+            if not isinstance(text, str):
+                raise RequestError(400, f'JSON body must be {{"text": "<a string>"}}; got '
+                                        f"{type(doc).__name__} without a string `text`")
+        elif media == "" or media.startswith("text/"):
+            text = _text_of(body)
+        else:
+            raise RequestError(415, f"Content-Type {media!r} is not supported for text; {self.usage()}")
+        if not text.strip():
+            raise RequestError(400, f"text is empty; {self.usage()}")
+        enc = self.tokenizer.encode(text)
+        return {"input_ids": np.asarray(enc.ids, dtype=np.int64),
+                "attention_mask": np.asarray(enc.attention_mask, dtype=np.int64)}
+
+    def collate(self, samples):
+        if not samples:
+            raise ValueError("collate needs at least one sample")
+        longest = max(len(s["input_ids"]) for s in samples)
+        ids = np.full((len(samples), longest), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(samples), longest), dtype=np.int64)
+        for row, s in enumerate(samples):
+            n = len(s["input_ids"])
+            ids[row, :n] = s["input_ids"]
+            mask[row, :n] = s["attention_mask"]
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def respond(self, outputs, i):
+        return {"embedding": np.asarray(outputs[0][i], dtype=np.float32).tolist()}
+
+    def example_feeds(self, batch_size, seq_len=None):
+        seq_len = int(seq_len or min(self.max_length, 64))
+        rng = np.random.default_rng(1234 + batch_size * 1000 + seq_len)
+        vocab = self.tokenizer.get_vocab_size()
+        low = min(1000, vocab - 1)    # skip special/unused ids at the start of BERT-style vocabularies
+        ids = rng.integers(low, vocab, size=(batch_size, seq_len), dtype=np.int64)
+        cls, sep = self.tokenizer.token_to_id("[CLS]"), self.tokenizer.token_to_id("[SEP]")
+        if cls is not None and sep is not None and seq_len >= 2:
+            ids[:, 0], ids[:, -1] = cls, sep
+        return {"input_ids": ids, "attention_mask": np.ones((batch_size, seq_len), dtype=np.int64)}
+
+    def example_requests(self, n, seed=0):
+        rng = random.Random(seed)
+        requests = []
+        for k in range(n):
+            words = rng.randint(3, 40)                 # varied lengths: batches need padding
+            sentence = " ".join(rng.choice(_WORDS) for _ in range(words)).capitalize() + "."
+            if k % 2 == 0:
+                requests.append((sentence.encode("utf-8"), "text/plain"))
+            else:
+                requests.append((json.dumps({"text": sentence}).encode("utf-8"), "application/json"))
+        return requests
+
+
+# --------------------------------------------------------------------------- image-classification
+class ImageClassificationAdapter(TaskAdapter):
+    kind = "image-classification"
+
+    def __init__(self, model_dir, task):
+        super().__init__(model_dir, task)
+        self.size = int(self.task.get("size", 224))
+        self.mean = float(self.task.get("mean", 127.0))
+        self.std = float(self.task.get("std", 128.0))
+        self.top_k = int(self.task.get("top_k", 5))
+        labels_file = self.task.get("labels")
+        self.labels = None
+        if labels_file:
+            self.labels = json.loads((self.model_dir / labels_file).read_text())
+
+    def usage(self) -> str:
+        return "send one image (PNG/JPEG/…) as the raw body, e.g. Content-Type image/png"
+
+    def _decode(self, body, media):
+        if media in JSON_TYPES or media.startswith("text/") or isinstance(body, (dict, list, str)):
+            raise RequestError(415, f"Content-Type {media or type(body).__name__!r} is not an image; {self.usage()}")
+        from PIL import Image, UnidentifiedImageError
+        try:
+            with Image.open(io.BytesIO(bytes(body))) as img:
+                img = img.convert("RGB").resize((self.size, self.size), Image.BILINEAR)
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+            raise RequestError(400, f"request body is not a decodable image ({type(e).__name__}); "
+                                    f"{self.usage()}") from None
+        return {"pixels": self.preprocess(np.asarray(img))}
+
+    def preprocess(self, rgb: np.ndarray) -> np.ndarray:
+        """HWC uint8 RGB -> CHW float32, (x - mean) / std."""
+        x = (rgb.astype(np.float32) - np.float32(self.mean)) / np.float32(self.std)
+        return np.ascontiguousarray(x.transpose(2, 0, 1))
+
+    def respond(self, outputs, i):
+        logits = np.asarray(outputs[0][i], dtype=np.float64)
+        shifted = np.exp(logits - logits.max())
+        probs = shifted / shifted.sum()
+        k = min(self.top_k, probs.shape[0])
+        order = np.argsort(-probs, kind="stable")[:k]
+        return {"top_k": [{"index": int(c), "label": self.label(int(c)), "probability": float(probs[c])}
+                          for c in order]}
+
+    def label(self, index: int) -> str:
+        if self.labels and 0 <= index < len(self.labels):
+            return str(self.labels[index])
+        return f"class_{index}"
+
+    def example_feeds(self, batch_size, seq_len=None):
+        rng = np.random.default_rng(4321 + batch_size)
+        pixels = rng.integers(0, 256, size=(batch_size, self.size, self.size, 3), dtype=np.uint8)
+        return {"pixels": np.stack([self.preprocess(p) for p in pixels])}
+
+    def example_requests(self, n, seed=0):
+        from PIL import Image, ImageDraw
+        rng = random.Random(seed)
+        requests = []
+        for _ in range(n):
+            side = rng.choice((48, 64, 96))
+            # Smooth backgrounds and shapes (not noise): class scores then have clear winners.
+            c0 = [rng.randint(0, 255) for _ in range(3)]
+            c1 = [rng.randint(0, 255) for _ in range(3)]
+            ramp = np.linspace(0.0, 1.0, side, dtype=np.float32)[None, :, None]
+            bg = np.asarray(c0, np.float32) * (1 - ramp) + np.asarray(c1, np.float32) * ramp
+            img = Image.fromarray(np.repeat(bg, side, axis=0).astype(np.uint8), "RGB")
+            draw = ImageDraw.Draw(img)
+            for _ in range(rng.randint(1, 4)):
+                x0, y0 = rng.randint(0, side // 2), rng.randint(0, side // 2)
+                box = (x0, y0, x0 + rng.randint(8, side // 2), y0 + rng.randint(8, side // 2))
+                fill = tuple(rng.randint(0, 255) for _ in range(3))
+                (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=fill)
+            buf = io.BytesIO()
+            img.save(buf, format="PNG", optimize=False)
+            requests.append((buf.getvalue(), "image/png"))
+        return requests
+
+
+# --------------------------------------------------------------------------- tensor
+class TensorAdapter(TaskAdapter):
+    kind = "tensor"
+
+    def __init__(self, model_dir, task):
+        super().__init__(model_dir, task)
+        self.input_shape = tuple(int(d) for d in self.task["input_shape"])
+
+    def usage(self) -> str:
+        dims = "×".join(map(str, self.input_shape))
+        return (f"send JSON (Content-Type application/json): a nested list of numbers of shape {dims}, "
+                f'or {{"input": <that list>}}; or a .npy float32 array (application/x-npy)')
+
+    def _decode(self, body, media):
+        if media in ("application/x-npy", "application/npy"):
+            try:
+                arr = np.load(io.BytesIO(bytes(body)), allow_pickle=False)
+            except Exception as e:
+                raise RequestError(400, f"request body is not a .npy array ({type(e).__name__}); {self.usage()}") from None
+        elif media in JSON_TYPES or isinstance(body, (dict, list)) or (media == "" and isinstance(body, str)):
+            doc = _parse_json(body)
+            if isinstance(doc, dict):
+                if "input" not in doc and "inputs" not in doc:
+                    raise RequestError(400, f"JSON object has no `input` key; {self.usage()}")
+                doc = doc.get("input", doc.get("inputs"))
+            arr = self._array_of(doc)
+        else:
+            raise RequestError(415, f"Content-Type {media!r} is not supported for tensors; {self.usage()}")
+        if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
+            raise RequestError(400, f"input has dtype {arr.dtype}; numbers are needed. {self.usage()}")
+        if tuple(arr.shape) != self.input_shape:
+            raise RequestError(400, f"input has shape {list(arr.shape)}, expected {list(self.input_shape)} "
+                                    f"(one sample, no batch dimension); {self.usage()}")
+        arr = arr.astype(np.float32)
+        if not np.isfinite(arr).all():
+            raise RequestError(400, "input contains NaN or infinity; send finite numbers")
+        return {"input": arr}
+
+    def _array_of(self, doc: Any) -> np.ndarray:
+        try:
+            arr = np.asarray(doc)
+        except ValueError:    # ragged nesting
+            raise RequestError(400, f"input is a ragged nested list; {self.usage()}") from None
+        if arr.dtype == object:
+            raise RequestError(400, f"input is ragged or holds non-numbers; {self.usage()}")
+        return arr
+
+    def respond(self, outputs, i):
+        if len(outputs) == 1:
+            return np.asarray(outputs[0][i], dtype=np.float32).tolist()
+        return {"outputs": [np.asarray(o[i], dtype=np.float32).tolist() for o in outputs]}
+
+    def example_feeds(self, batch_size, seq_len=None):
+        rng = np.random.default_rng(2024 + batch_size)
+        return {"input": rng.standard_normal((batch_size, *self.input_shape), dtype=np.float32)}
+
+    def example_requests(self, n, seed=0):
+        rng = np.random.default_rng(seed)
+        requests = []
+        for _ in range(n):
+            # Round to 6 digits so the JSON text is the exact float32 value the model sees.
+            sample = np.round(rng.standard_normal(self.input_shape), 6).astype(np.float32)
+            requests.append((json.dumps(sample.tolist()).encode("utf-8"), "application/json"))
+        return requests
+
+
+ADAPTERS = {cls.kind: cls for cls in (TextEmbeddingAdapter, ImageClassificationAdapter, TensorAdapter)}
+
+
+def make_adapter(model_dir: str | Path, task: dict) -> TaskAdapter:
+    kind = task.get("kind")
+    if kind not in ADAPTERS:
+        raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(ADAPTERS)}")
+    return ADAPTERS[kind](model_dir, task)
