@@ -305,7 +305,10 @@ def parse_params(data: Any) -> Params:
 
 
 def load_params(path: str | os.PathLike | None = None) -> Params:
-    path = Path(path) if path else DEFAULT_PARAMS
+    """`path`, else $PIPELINE_PARAMS (another params file, e.g. examples/tensor/params.yaml), else
+    params.yaml. Note: DVC tracks params.yaml only; for `dvc repro` copy an example over params.yaml."""
+    env = os.environ.get("PIPELINE_PARAMS")
+    path = Path(path) if path else (resolve_path(env) if env else DEFAULT_PARAMS)
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
