@@ -111,6 +111,7 @@ class ServeOverrides:
     response_timeout_s: Optional[int] = None
     job_queue_size: Optional[int] = None
     max_request_size: Optional[int] = None
+    max_response_size: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,15 @@ class ServeParams:
     response_safety: float = 5.0
     response_floor_s: int = 5
     expected_concurrency: int = 16
+    min_batch_gain: float = 0.05               # a bigger batch must add this much throughput (or more than the noise)
+    noise_floor: float = 0.03                  # smallest relative difference ever treated as real (ties below)
+    delay_headroom_share: float = 0.5          # maxBatchDelay uses at most this share of the SLO headroom
+    worker_import_s: float = 1.3               # TorchServe's own worker imports torch before any handler code
+    memory_share: float = 0.8                  # share of host / GPU memory the workers may fill together
+    max_workers_per_gpu: int = 2               # more processes per GPU only time-slice the same device
+    inference_port: int = 8080
+    management_port: int = 8081
+    metrics_port: int = 8082
     overrides: ServeOverrides = field(default_factory=ServeOverrides)
 
 
