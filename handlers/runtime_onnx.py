@@ -1,0 +1,97 @@
+"""ONNX Runtime family: numpy + onnxruntime only (never torch — it would add ~1.3 s to every cold start).
+
+The graph is optimised once at build time (pipeline/variants/onnx.py saves ORT's optimised model),
+so sessions load it with graph optimisation disabled: a faster start (measured.md).
+
+GPU: onnxruntime-gpu lists CUDA (and TensorRT) among its providers even on a machine without a GPU
+and then silently runs on CPU. So the providers are chosen explicitly and, after the session is
+created, checked to really be active; a silent CPU fallback is an error, not a slow surprise.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import onnxruntime as ort
+
+try:
+    from .runtime import Runtime, RuntimeLoadError, read_artifact
+except ImportError:  # imported as a top-level module (folder on sys.path)
+    from runtime import Runtime, RuntimeLoadError, read_artifact
+
+CPU_EP = "CPUExecutionProvider"
+CUDA_EP = "CUDAExecutionProvider"
+TENSORRT_EP = "TensorrtExecutionProvider"
+GPU_EPS = (TENSORRT_EP, CUDA_EP)
+
+
+def choose_providers(device: str, available: list[str], tensorrt: bool = False) -> list[str]:
+    """Execution providers to ask for, in priority order (CPU last as ORT requires for fallbacks)."""
+    if device == "cpu":
+        return [CPU_EP]
+    if device != "cuda":
+        raise RuntimeLoadError(f"device {device!r} is invalid for ONNX Runtime; use 'cpu' or 'cuda'")
+    if CUDA_EP not in available:
+        raise RuntimeLoadError(
+            f"device 'cuda' asked but this onnxruntime build has no {CUDA_EP} (available: {available}); "
+            f"install onnxruntime-gpu (not onnxruntime) or run on device 'cpu'")
+    chosen = [TENSORRT_EP] if tensorrt and TENSORRT_EP in available else []
+    return chosen + [CUDA_EP, CPU_EP]
+
+
+def check_providers_active(device: str, requested: list[str], active: list[str]) -> str:
+    """The provider really doing the work; raises when a GPU was asked for but ORT fell back to CPU."""
+    if device == "cpu":
+        return CPU_EP
+    gpu_active = [p for p in active if p in GPU_EPS]
+    if not gpu_active:
+        raise RuntimeLoadError(
+            f"asked ONNX Runtime for {requested} but the session runs only on {active}: the GPU provider "
+            f"could not start (no usable GPU, or CUDA/cuDNN libraries missing — see onnxruntime's log). "
+            f"Run on device 'cpu' or fix the CUDA installation")
+    return gpu_active[0]
+
+
+def session_options(threads: Optional[int], graph_optimized: bool) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL if graph_optimized
+                                   else ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED)
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.inter_op_num_threads = 1
+    if threads:
+        so.intra_op_num_threads = threads
+    so.log_severity_level = 3          # errors only: ORT's warnings are noise in serving logs
+    return so
+
+
+class OnnxSessionRuntime(Runtime):
+    def __init__(self, variant: dict, model_dir: Path, device: str, threads: Optional[int], tensorrt: bool):
+        super().__init__(variant, model_dir, device, threads)
+        t0 = time.perf_counter()
+        data = read_artifact(model_dir, variant)
+        t1 = time.perf_counter()
+        self.requested_providers = choose_providers(device, ort.get_available_providers(), tensorrt)
+        self.session = ort.InferenceSession(
+            data, sess_options=session_options(threads, bool(variant.get("graph_optimized", False))),
+            providers=self.requested_providers)
+        self.provider = check_providers_active(device, self.requested_providers, self.session.get_providers())
+        t2 = time.perf_counter()
+        self.load_phases.update(read=t1 - t0, deserialize=t2 - t1, to_device=0.0)
+        graph_inputs = [i.name for i in self.session.get_inputs()]
+        if sorted(graph_inputs) != sorted(self.input_names):
+            raise RuntimeLoadError(f"{variant['artifact']} takes inputs {graph_inputs} but variant.json "
+                                   f"declares {self.input_names}; rebuild the variant")
+
+    def _run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return self.session.run(self.output_names, dict(zip(self.input_names, arrays)))
+
+    def close(self) -> None:
+        self.session = None
+
+
+def load(variant: dict, model_dir: Path, device: str, threads: Optional[int], tensorrt: bool = False) -> Runtime:
+    if variant["format"] != "onnx":
+        raise RuntimeLoadError(f"format {variant['format']!r} is not an ONNX format; variant.json is inconsistent")
+    return OnnxSessionRuntime(variant, model_dir, device, threads, tensorrt)

@@ -1,0 +1,93 @@
+"""PyTorch family: `eager` (torch.export ExportedProgram), `torchscript` (also the fp16/bf16 variants)
+and `aoti` (AOTInductor package). None needs the model's Python code.
+
+Half-precision variants take and return float32 at the boundary: floating inputs are cast to the
+variant's dtype here and outputs back to float32, so callers never see fp16/bf16.
+"""
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+try:
+    from .runtime import Runtime, RuntimeLoadError, read_artifact
+except ImportError:  # imported as a top-level module (folder on sys.path)
+    from runtime import Runtime, RuntimeLoadError, read_artifact
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "int64": torch.int64, "int32": torch.int32}
+FORMATS = ("eager", "torchscript", "aoti")
+
+
+def set_threads(threads: Optional[int]) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        # One inter-op thread: serving runs one request batch at a time per worker.
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass  # already set (or parallel work already started) in this process: keep it
+
+
+class TorchRuntime(Runtime):
+    def __init__(self, variant: dict, model_dir: Path, device: str, threads: Optional[int]):
+        super().__init__(variant, model_dir, device, threads)
+        fmt = variant["format"]
+        if fmt not in FORMATS:
+            raise RuntimeLoadError(f"format {fmt!r} is not a torch format ({FORMATS}); variant.json is inconsistent")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeLoadError("device 'cuda' asked but torch sees no usable GPU "
+                                   f"(torch {torch.__version__}); run on device 'cpu'")
+        built_for = variant.get("device", "cpu")
+        if fmt == "aoti" and built_for != device:
+            raise RuntimeLoadError(f"this AOTInductor package was compiled for {built_for!r} and cannot run on "
+                                   f"{device!r}; rebuild it with benchmark.device: {device}")
+        set_threads(threads)
+        self.torch_device = torch.device(device)
+        self.input_torch_dtypes = [TORCH_DTYPES[i["dtype"]] for i in variant["inputs"]]
+
+        t0 = time.perf_counter()
+        data = read_artifact(model_dir, variant)
+        t1 = time.perf_counter()
+        if fmt == "torchscript":
+            # map_location puts frozen constants on the device too (a frozen module ignores .to()).
+            self.model = torch.jit.load(io.BytesIO(data), map_location=self.torch_device)
+            t2 = time.perf_counter()
+        elif fmt == "eager":
+            program = torch.export.load(io.BytesIO(data))
+            t2 = time.perf_counter()
+            if device != "cpu":
+                from torch.export.passes import move_to_device_pass
+                program = move_to_device_pass(program, device)
+            self.model = program.module()
+        else:  # aoti: the package is a zip holding a shared library; it loads from a path
+            self.model = torch._inductor.aoti_load_package(str(model_dir / variant["artifact"]))
+            t2 = time.perf_counter()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        self.load_phases.update(read=t1 - t0, deserialize=t2 - t1, to_device=t3 - t2)
+
+    def _run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        with torch.inference_mode():
+            args = [torch.from_numpy(a).to(self.torch_device).to(dt)
+                    for a, dt in zip(arrays, self.input_torch_dtypes)]
+            out = self.model(*args)
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            return [o.detach().to("cpu", torch.float32).numpy() for o in outs]
+
+    def close(self) -> None:
+        self.model = None
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def load(variant: dict, model_dir: Path, device: str, threads: Optional[int], tensorrt: bool = False) -> Runtime:
+    return TorchRuntime(variant, model_dir, device, threads)
