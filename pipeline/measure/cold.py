@@ -1,0 +1,101 @@
+"""Cold load: N fresh processes, each timing one start phase by phase; plus the raw-read floor."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from pipeline.measure.cold_child import MARKER
+from pipeline.measure.stats import ColdLoadSummary
+from pipeline.params import REPO_ROOT
+
+DEFAULT_LOADER = "handlers.runtime:load_runtime"
+DEFAULT_FEEDS = "pipeline.measure.feeds:example_feeds"
+
+
+class ColdLoadError(RuntimeError):
+    pass
+
+
+def thread_env(threads: Optional[int]) -> dict:
+    """Environment for a child: intra-op threads pinned before any runtime is imported."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    if threads:
+        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[k] = str(threads)
+    return env
+
+
+def cold_start_once(model_dir, loader: str = DEFAULT_LOADER, feeds: str = DEFAULT_FEEDS, device: str = "cpu",
+                    threads: Optional[int] = None, seq_len: Optional[int] = None,
+                    timeout_s: float = 300.0, python: str = sys.executable) -> dict[str, float]:
+    """One fresh process; phase → seconds, with `total` = spawn → first call done."""
+    cmd = [python, "-m", "pipeline.measure.cold_child", "--model-dir", str(model_dir),
+           "--loader", loader, "--feeds", feeds, "--device", device]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    if seq_len:
+        cmd += ["--seq-len", str(seq_len)]
+    spawned_at = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              cwd=str(REPO_ROOT), env=thread_env(threads))
+    except subprocess.TimeoutExpired:
+        raise ColdLoadError(f"cold start of {model_dir} took over {timeout_s:.0f} s; killed") from None
+    line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith(MARKER)), None)
+    if proc.returncode != 0 or line is None:
+        tail = (proc.stderr or proc.stdout).strip()[-1500:]
+        raise ColdLoadError(f"cold start of {model_dir} failed (exit {proc.returncode}): {tail}")
+    result = json.loads(line[len(MARKER):])
+    phases = dict(result["phases"])
+    phases["interpreter"] = max(0.0, result["started_at"] - spawned_at)
+    phases["total"] = result["done_at"] - spawned_at
+    return phases
+
+
+def artifact_files(model_dir, variant: dict) -> list[Path]:
+    """The artifact and its sidecars (e.g. model.onnx.data): the bytes a load must read."""
+    folder = Path(model_dir)
+    name = variant["artifact"]
+    listed = set(variant.get("files") or [])
+    files = [folder / name] + [folder / f for f in sorted(listed) if f != name and f.startswith(name)]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"artifact file(s) missing: {', '.join(missing)}; re-run the variant's convert stage")
+    return files
+
+
+def raw_read_seconds(files: Sequence[Path], repeats: int = 3, chunk: int = 16 * 2**20) -> float:
+    """Median time to read the files' bytes with plain reads into one buffer: the floor any
+    loader pays for these bytes on this disk / page cache."""
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while fh.readinto(view):
+                    pass
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_cold_load(model_dir, runs: int, artifact_paths: Sequence[Path], loader: str = DEFAULT_LOADER,
+                      feeds: str = DEFAULT_FEEDS, device: str = "cpu", threads: Optional[int] = None,
+                      seq_len: Optional[int] = None, timeout_s: float = 300.0, on_run=None) -> ColdLoadSummary:
+    if runs < 1:
+        raise ValueError(f"benchmark.cold_runs must be >= 1, got {runs}")
+    samples = []
+    for i in range(runs):
+        samples.append(cold_start_once(model_dir, loader, feeds, device, threads, seq_len, timeout_s))
+        if on_run:
+            on_run(i)
+    raw = raw_read_seconds(artifact_paths, repeats=runs)
+    return ColdLoadSummary.from_runs(samples, raw, sum(p.stat().st_size for p in artifact_paths))

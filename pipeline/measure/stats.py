@@ -1,0 +1,158 @@
+"""Small value objects for measurements: they summarise raw samples and render themselves."""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
+    if not samples:
+        raise ValueError("percentile of no samples")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile q={q} is outside [0, 100]")
+    xs = sorted(samples)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(float(x), nd)
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    """Per-call latencies at one batch size, in seconds inside, in ms when rendered."""
+    batch_size: int
+    iters: int
+    total_s: float          # wall time of the measured calls (sum of the samples)
+    p50_s: float
+    p90_s: float
+    p99_s: float
+    mean_s: float
+    stdev_s: float
+
+    @classmethod
+    def from_samples(cls, samples_s: Sequence[float], batch_size: int) -> "LatencySummary":
+        if not samples_s:
+            raise ValueError("no latency samples to summarise")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        return cls(
+            batch_size=batch_size,
+            iters=len(samples_s),
+            total_s=float(sum(samples_s)),
+            p50_s=percentile(samples_s, 50),
+            p90_s=percentile(samples_s, 90),
+            p99_s=percentile(samples_s, 99),
+            mean_s=statistics.fmean(samples_s),
+            # sample stdev; one sample has no spread
+            stdev_s=statistics.stdev(samples_s) if len(samples_s) > 1 else 0.0,
+        )
+
+    @property
+    def cv(self) -> float:
+        """Coefficient of variation (stdev / mean): the noise figure."""
+        return self.stdev_s / self.mean_s if self.mean_s > 0 else 0.0
+
+    @property
+    def throughput_sps(self) -> float:
+        """Samples per second when calls run back to back."""
+        return self.batch_size * self.iters / self.total_s if self.total_s > 0 else float("inf")
+
+    @property
+    def p99_ms(self) -> float:
+        return self.p99_s * 1e3
+
+    def as_dict(self) -> dict:
+        return {
+            "batch_size": self.batch_size,
+            "p50_ms": _r(self.p50_s * 1e3),
+            "p90_ms": _r(self.p90_s * 1e3),
+            "p99_ms": _r(self.p99_s * 1e3),
+            "mean_ms": _r(self.mean_s * 1e3),
+            "stdev_ms": _r(self.stdev_s * 1e3),
+            "cv": _r(self.cv, 4),
+            "throughput_sps": _r(self.throughput_sps, 2),
+            "iters": self.iters,
+        }
+
+    def render(self) -> str:
+        return (f"batch {self.batch_size:>4}: p50 {self.p50_s * 1e3:8.2f} ms  p99 {self.p99_s * 1e3:8.2f} ms  "
+                f"cv {self.cv:5.1%}  {self.throughput_sps:9.1f} samples/s  ({self.iters} iters)")
+
+
+@dataclass(frozen=True)
+class PhaseSummary:
+    """One cold-load phase over N fresh processes."""
+    name: str
+    median_s: float
+    max_s: float
+
+    @classmethod
+    def from_samples(cls, name: str, samples_s: Iterable[float]) -> "PhaseSummary":
+        xs = list(samples_s)
+        if not xs:
+            raise ValueError(f"no samples for phase {name!r}")
+        return cls(name, statistics.median(xs), max(xs))
+
+    def as_dict(self) -> dict:
+        return {"median": _r(self.median_s * 1e3), "max": _r(self.max_s * 1e3)}
+
+
+# Phases a cold start goes through, in order: interpreter start, import of the runtime, read of the
+# artifact, deserialize / create session, move to device, build the task adapter + example inputs,
+# first call. `total` is the child's wall time from spawn to its first answer; `phases_sum` what the
+# phases account for (the gap is loader overhead no phase names, reported as `other` when known).
+LOAD_PHASES = ("interpreter", "import", "read", "deserialize", "to_device", "adapter", "first_call")
+
+
+@dataclass(frozen=True)
+class ColdLoadSummary:
+    runs: int
+    phases: dict[str, PhaseSummary]     # LOAD_PHASES + "phases_sum" + "total" (+ any extra the loader reports)
+    raw_read_s: float                   # median time to read the artifact's bytes: the physical floor
+    artifact_bytes: int
+
+    @classmethod
+    def from_runs(cls, runs: Sequence[dict[str, float]], raw_read_s: float, artifact_bytes: int) -> "ColdLoadSummary":
+        """`runs`: one dict of phase → seconds per fresh process."""
+        if not runs:
+            raise ValueError("no cold-load runs to summarise")
+        names = list(LOAD_PHASES) + sorted({k for r in runs for k in r} - set(LOAD_PHASES) - {"total"})
+        phases = {n: PhaseSummary.from_samples(n, [r.get(n, 0.0) for r in runs]) for n in names}
+        phases["phases_sum"] = PhaseSummary.from_samples(
+            "phases_sum", [sum(v for k, v in r.items() if k != "total") for r in runs])
+        phases["total"] = PhaseSummary.from_samples("total", [r["total"] for r in runs])
+        return cls(len(runs), phases, raw_read_s, artifact_bytes)
+
+    @property
+    def load_s(self) -> float:
+        """Median time spent getting the artifact's bytes into a runnable model."""
+        return sum(self.phases[p].median_s for p in ("read", "deserialize", "to_device"))
+
+    def floor_ratios(self) -> dict[str, float | None]:
+        if self.raw_read_s <= 0:
+            return {"read": None, "load": None}
+        return {"read": _r(self.phases["read"].median_s / self.raw_read_s, 2),
+                "load": _r(self.load_s / self.raw_read_s, 2)}
+
+    def as_dict(self) -> dict:
+        mb_s = (self.artifact_bytes / 2**20 / self.raw_read_s) if self.raw_read_s > 0 else None
+        return {
+            "runs": self.runs,
+            "phases_ms": {n: p.as_dict() for n, p in self.phases.items()},
+            "raw_read_ms": _r(self.raw_read_s * 1e3),
+            "raw_read_mb_s": _r(mb_s, 1),
+            # (read + deserialize + to_device) / raw read of the same bytes: how far loading is from the floor
+            "load_floor_ratio": self.floor_ratios()["load"],
+            "floor_ratios": self.floor_ratios(),
+        }
+
+    def render(self) -> str:
+        parts = [f"{n} {p.median_s * 1e3:.1f} ms (max {p.max_s * 1e3:.1f})" for n, p in self.phases.items()]
+        return (f"cold load over {self.runs} fresh processes: " + "; ".join(parts)
+                + f"; raw read {self.raw_read_s * 1e3:.2f} ms, load/floor {self.floor_ratios()['load']}")

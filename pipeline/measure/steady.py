@@ -1,0 +1,128 @@
+"""Steady-state latency: warm-up, then measure until BOTH enough iterations AND enough time;
+a batch sweep that stops once bigger batches stop paying. Generic over a callable: it never
+knows what runs (a tiny torch model in tests, a variant's Runtime in the benchmark stage).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from pipeline.measure.stats import LatencySummary
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """Stop measuring once BOTH min_iters calls were timed AND min_duration_s elapsed."""
+    min_iters: int
+    min_duration_s: float
+
+    def __post_init__(self):
+        if self.min_iters < 1:
+            raise ValueError(f"min_iters must be >= 1, got {self.min_iters}")
+        if self.min_duration_s < 0:
+            raise ValueError(f"min_duration_s must be >= 0, got {self.min_duration_s}")
+
+    def done(self, iters: int, elapsed_s: float) -> bool:
+        return iters >= self.min_iters and elapsed_s >= self.min_duration_s
+
+
+def measure_latency(call: Callable[[], Any], batch_size: int, rule: StopRule, warmup_iters: int = 0,
+                    sync: Optional[Callable[[], None]] = None, clock: Clock = time.perf_counter,
+                    after_call: Optional[Callable[[], None]] = None) -> LatencySummary:
+    """Time `call()` back to back. `sync` (GPU) runs inside each timed interval so queued device
+    work is counted; `after_call` (e.g. a memory sample) runs outside it."""
+    for _ in range(warmup_iters):
+        call()
+    if sync:
+        sync()
+    samples: list[float] = []
+    start = clock()
+    while not rule.done(len(samples), clock() - start):
+        t0 = clock()
+        call()
+        if sync:
+            sync()
+        samples.append(clock() - t0)
+        if after_call:
+            after_call()
+    return LatencySummary.from_samples(samples, batch_size)
+
+
+@dataclass(frozen=True)
+class StableMeasurement:
+    summary: LatencySummary
+    noisy: bool                 # CV stayed above max_cv after one re-measurement
+    remeasured: bool
+    first_cv: float
+
+
+def measure_stable(measure: Callable[[], LatencySummary], max_cv: float) -> StableMeasurement:
+    """Measure; if CV > max_cv measure once more and keep the quieter run, flagged noisy if it
+    is still above max_cv (a one-off disturbance is dropped, lasting noise is reported)."""
+    first = measure()
+    if first.cv <= max_cv:
+        return StableMeasurement(first, noisy=False, remeasured=False, first_cv=first.cv)
+    second = measure()
+    best = min((first, second), key=lambda s: s.cv)
+    return StableMeasurement(best, noisy=best.cv > max_cv, remeasured=True, first_cv=first.cv)
+
+
+@dataclass(frozen=True)
+class SweepPolicy:
+    """When a bigger batch is not worth measuring any more."""
+    min_gain: float             # stop when throughput(b) / throughput(previous) - 1 < min_gain
+    latency_cap_ms: float       # stop when p99(b) > this
+
+    def why_stop(self, prev: Optional[LatencySummary], cur: LatencySummary) -> Optional[str]:
+        if cur.p99_ms > self.latency_cap_ms:
+            return f"p99 {cur.p99_ms:.1f} ms > latency_cap_ms {self.latency_cap_ms:g}"
+        if prev is not None:
+            gain = cur.throughput_sps / prev.throughput_sps - 1.0
+            if gain < self.min_gain:
+                return (f"throughput gain {gain:+.1%} over batch {prev.batch_size} "
+                        f"< min_gain {self.min_gain:.0%}")
+        return None
+
+
+@dataclass
+class SweepResult:
+    points: dict[int, StableMeasurement] = field(default_factory=dict)
+    stopped_early: Optional[dict] = None      # {"after_batch", "why"}
+
+    def as_dict(self) -> dict:
+        return {str(b): {**m.summary.as_dict(), "noisy": m.noisy, "remeasured": m.remeasured}
+                for b, m in self.points.items()}
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or "out of memory" in str(e).lower()
+
+
+def sweep(measure_at: Callable[[int], StableMeasurement], batch_sizes: Sequence[int], policy: SweepPolicy,
+          on_point: Optional[Callable[[int, StableMeasurement], None]] = None) -> SweepResult:
+    """Measure batch sizes in the given order until the policy says stop. Running out of memory
+    at a size ends the sweep there (recorded) instead of failing the sizes already measured."""
+    result = SweepResult()
+    prev: Optional[LatencySummary] = None
+    sizes = list(batch_sizes)
+    for i, b in enumerate(sizes):
+        try:
+            m = measure_at(b)
+        except Exception as e:
+            if not _is_out_of_memory(e) or not result.points:
+                raise
+            result.stopped_early = {"after_batch": prev.batch_size,
+                                    "why": f"out of memory at batch {b}: {type(e).__name__}: {str(e)[:200]}"}
+            break
+        result.points[b] = m
+        if on_point:
+            on_point(b, m)
+        why = policy.why_stop(prev, m.summary)
+        prev = m.summary
+        if why and i < len(sizes) - 1:
+            result.stopped_early = {"after_batch": b, "why": why}
+            break
+    return result
