@@ -1,0 +1,554 @@
+"""Run a real TorchServe 0.12 in isolation, know when its model is really READY, always stop it.
+
+One `TorchServe` = one server in its own working dir: own cwd (logs/, key_file.json), own
+TEMP/TMPDIR (pid file, worker sockets, unpacked models all follow java.io.tmpdir), its own free
+loopback ports — gRPC included, since 7070/7071 always start — so parallel servers never collide.
+The given config.properties is copied and overrides are appended: java.util.Properties (and the
+CLI's naive parser) let a later duplicate key win, so the original stays byte-for-byte in front.
+
+Readiness is the management API's `workers[].status == "READY"`, never /ping (which reports
+Healthy while a worker is failing and retrying). A load that exceeds startupTimeout or a dying
+worker is reported at once with the worker log's tail, and the server is stopped.
+Token authorization stays on: keys come from the server's own key_file.json.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+import psutil
+
+HOST = "127.0.0.1"
+POLL_S = 0.05
+# Frontend log lines that mean the model will not become READY on this attempt.
+_STARTUP_TIMEOUT_MARK = "did not respond in given time"
+_WORKER_DIED_MARKS = ("Backend worker process died", "Load model failed", "Worker died")
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+class TorchServeError(RuntimeError):
+    """TorchServe could not be started, queried or stopped; the message says what and where."""
+
+
+class ModelNotReady(TorchServeError):
+    """The model did not become READY. `reason`: startup_timeout | worker_died | server_exited | timeout."""
+
+    def __init__(self, message: str, reason: str, log_tail: str = ""):
+        super().__init__(f"{message}\n--- worker/server log tail ---\n{log_tail}" if log_tail else message)
+        self.reason = reason
+        self.log_tail = log_tail
+
+
+@dataclass(frozen=True)
+class Ports:
+    inference: int
+    management: int
+    metrics: int
+    grpc_inference: int
+    grpc_management: int
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes
+    ms: float                       # client-side latency, send → full body read
+    request_id: Optional[str] = None  # TorchServe's x-request-id: ties the request to its batch in the logs
+
+    def json(self):
+        return json.loads(self.body.decode("utf-8"))
+
+
+@dataclass
+class Readiness:
+    ready_s: float                  # `torchserve --start` → first worker READY
+    all_ready_s: float              # … → every listed worker READY
+    worker_load_ms: Optional[float]  # TorchServe's WorkerLoadTime (max over this model's workers)
+    description: dict = field(default_factory=dict)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all held open together, so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((HOST, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _torchserve_cli() -> str:
+    beside = Path(sys.executable).parent / "torchserve"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("torchserve")
+    if not found:
+        raise TorchServeError("`torchserve` not found next to the Python interpreter or on PATH; "
+                              "install the pinned requirements (`make setup`)")
+    return found
+
+
+def _props_path(p: Path) -> str:
+    # Forward slashes: java.util.Properties treats a backslash as an escape.
+    return p.resolve().as_posix()
+
+
+def read_properties(path: Path) -> dict[str, str]:
+    """Last-wins key=value view of a config.properties, as TorchServe's CLI reads it (no escapes;
+    enough for the plain keys we look up here, such as max_request_size)."""
+    props: dict[str, str] = {}
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if not line or line[0] in "#!" or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        props[key.strip()] = value.strip()
+    return props
+
+
+def processes_of(workdir: Path) -> list[psutil.Process]:
+    """Live java/worker processes belonging to the server rooted at `workdir`: their cwd, TEMP or
+    command line points inside it."""
+    root = str(Path(workdir).resolve())
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "cwd"]):
+        if proc.pid == os.getpid():
+            continue
+        try:
+            cwd = proc.info.get("cwd") or ""
+            cmd = " ".join(proc.info.get("cmdline") or [])
+            mine = _inside(cwd, root) or root + os.sep in cmd or cmd.endswith(root)
+            if not mine:
+                env = proc.environ()
+                mine = any(_inside(env.get(k, ""), root) for k in ("TEMP", "TMPDIR"))
+            if mine and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+class Client:
+    """One keep-alive HTTP connection (use one per thread). Reconnects after the server closes
+    (TorchServe closes the connection after every 4xx)."""
+
+    def __init__(self, port: int, token: Optional[str], timeout_s: float = 120.0):
+        self.port, self.token, self.timeout_s = port, token, timeout_s
+        self._conn: Optional[http.client.HTTPConnection] = None
+
+    def request(self, method: str, path: str, body: bytes | None = None,
+                content_type: Optional[str] = None, headers: Optional[dict] = None) -> Response:
+        hdrs = dict(headers or {})
+        if self.token:
+            hdrs["Authorization"] = f"Bearer {self.token}"
+        if content_type is not None:
+            hdrs["Content-Type"] = content_type
+        if body is not None:
+            hdrs["Content-Length"] = str(len(body))
+        for attempt in (0, 1):
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(HOST, self.port, timeout=self.timeout_s)
+            t0 = time.perf_counter()
+            try:
+                try:
+                    self._conn.request(method, path, body=body, headers=hdrs)
+                except (BrokenPipeError, ConnectionResetError):
+                    # The server may answer (413) and close before it has read a too-large body.
+                    pass
+                resp = self._conn.getresponse()
+                data = resp.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
+                    http.client.BadStatusLine):
+                self.close()
+                if attempt == 0 and body is not None and len(body) < (1 << 20):
+                    continue    # stale keep-alive connection: retry once on a fresh one
+                raise
+            ms = (time.perf_counter() - t0) * 1000.0
+            if resp.will_close:
+                self.close()
+            return Response(resp.status, data, ms, resp.getheader("x-request-id"))
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class TorchServe:
+    """A TorchServe process for one model, as a context manager that always stops it.
+
+        with TorchServe(config, model_store, "minilm", models="minilm=minilm.mar") as ts:
+            ready = ts.readiness           # ready_s, worker_load_ms, description
+            r = ts.predict(b'{"text": "hi"}', "application/json")
+    """
+
+    def __init__(self, config: Optional[Path], model_store: Path, model_name: str, *,
+                 workdir: Optional[Path] = None, models: Optional[str] = None,
+                 ready_timeout_s: Optional[float] = None, start_slack_s: float = 30.0,
+                 extra_properties: Optional[dict] = None, env: Optional[dict] = None,
+                 wait_all_workers: bool = True):
+        self.config = Path(config) if config else None
+        self.model_store = Path(model_store)
+        self.model_name = model_name
+        self.models = models
+        self.ready_timeout_s = ready_timeout_s   # None → the model's startupTimeout + start_slack_s
+        self.start_slack_s = start_slack_s       # JVM start + .mar unpack: not covered by startupTimeout
+        self.extra_properties = dict(extra_properties or {})
+        self.extra_env = dict(env or {})
+        self.wait_all_workers = wait_all_workers
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="torchserve-"))
+        self.tmpdir = self.workdir / "tmp"
+        self.logs = self.workdir / "logs"
+        self.ports: Optional[Ports] = None
+        self.java_pid: Optional[int] = None
+        self.readiness: Optional[Readiness] = None
+        self._keys: Optional[dict] = None
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "TorchServe":
+        try:
+            self.start()
+        except BaseException:
+            self.stop(check=False)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # On failure inside the block, stop without masking the original error.
+        self.stop(check=exc[0] is None)
+
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        for k in ("TEMP", "TMPDIR", "TMP"):
+            env[k] = str(self.tmpdir)
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env.pop("TS_CONFIG_FILE", None)   # would replace our --ts-config
+        env.update(self.extra_env)
+        return env
+
+    def _write_config(self) -> Path:
+        p = self.ports
+        base = self.config.read_text() if self.config else ""
+        if base and not base.endswith("\n"):
+            base += "\n"
+        overrides = {
+            "inference_address": f"http://{HOST}:{p.inference}",
+            "management_address": f"http://{HOST}:{p.management}",
+            "metrics_address": f"http://{HOST}:{p.metrics}",
+            "grpc_inference_port": str(p.grpc_inference),
+            "grpc_management_port": str(p.grpc_management),
+            "model_store": _props_path(self.model_store),
+        }
+        if self.models:
+            overrides["load_models"] = self.models
+        overrides.update({k: str(v) for k, v in self.extra_properties.items()})
+        lines = ["", "# --- appended by pipeline.torchserve for an isolated run (a later key wins) ---"]
+        lines += [f"{k}={v}" for k, v in overrides.items()]
+        path = self.workdir / "config.properties"
+        path.write_text(base + "\n".join(lines) + "\n")
+        return path
+
+    def start(self) -> Readiness:
+        if self._started:
+            raise TorchServeError("this TorchServe is already started; use a new instance")
+        self._started = True
+        if not self.model_store.is_dir():
+            raise TorchServeError(f"model store {self.model_store} is not a directory; "
+                                  f"run the archive stage first")
+        if shutil.which("java") is None:
+            raise TorchServeError("java not found: TorchServe 0.12 needs Java 17 (`make java`)")
+        self.tmpdir.mkdir(parents=True, exist_ok=True)
+        self.ports = Ports(*free_ports(5))
+        config = self._write_config()
+        cmd = [_torchserve_cli(), "--start", "--ncs", "--ts-config", str(config),
+               "--model-store", str(self.model_store.resolve())]
+        t0 = time.monotonic()
+        with open(self.workdir / "torchserve.out", "ab") as out:
+            rc = subprocess.run(cmd, cwd=self.workdir, env=self._env(), stdout=out,
+                                stderr=subprocess.STDOUT, timeout=60).returncode
+        pid_file = self.tmpdir / ".model_server.pid"
+        if pid_file.exists():
+            self.java_pid = int(pid_file.read_text().strip() or 0) or None
+        if rc != 0 or self.java_pid is None:
+            raise TorchServeError(f"`torchserve --start` failed (exit {rc}) in {self.workdir}:\n"
+                                  f"{self._tail(self.workdir / 'torchserve.out', 30)}")
+        self.readiness = self._wait_ready(t0)
+        return self.readiness
+
+    def stop(self, check: bool = True, timeout_s: float = 30.0) -> None:
+        """`torchserve --stop`, wait for java to exit, kill stragglers; with check, raise if any
+        process of this server is still alive afterwards."""
+        if not self._started:
+            return
+        self._started = False
+        if self.java_pid and psutil.pid_exists(self.java_pid):
+            try:
+                with open(self.workdir / "torchserve.out", "ab") as out:
+                    subprocess.run([_torchserve_cli(), "--stop"], cwd=self.workdir, env=self._env(),
+                                   stdout=out, stderr=subprocess.STDOUT, timeout=30)
+            except (subprocess.TimeoutExpired, OSError):
+                pass
+            try:
+                psutil.Process(self.java_pid).wait(timeout=timeout_s)
+            except psutil.TimeoutExpired:
+                pass
+            except psutil.NoSuchProcess:
+                pass
+        left = self._kill_leftovers()
+        if check and left:
+            raise TorchServeError(f"processes of the TorchServe in {self.workdir} survived stop and kill: "
+                                  + ", ".join(f"{p.pid}" for p in left))
+
+    def _kill_leftovers(self) -> list[psutil.Process]:
+        procs = processes_of(self.workdir)
+        if self.java_pid:
+            try:
+                java = psutil.Process(self.java_pid)
+                if java.status() != psutil.STATUS_ZOMBIE and java not in procs:
+                    procs.append(java)
+            except psutil.NoSuchProcess:
+                pass
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        return processes_of(self.workdir)
+
+    def cleanup(self) -> None:
+        """Remove the working dir (only one this object created), after stop."""
+        if self._own_workdir and not self._started:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ readiness
+    def _wait_ready(self, t0: float) -> Readiness:
+        deadline = t0 + self.ready_timeout_s if self.ready_timeout_s else None
+        startup_timeout = None
+        log_offset = 0
+        first_ready = None
+        desc: dict = {}
+        while True:
+            now = time.monotonic()
+            if self.java_pid and not _alive(self.java_pid):
+                self._fail("TorchServe exited during start-up", "server_exited")
+            text, log_offset = self._read_from(self.logs / "ts_log.log", log_offset)
+            if _STARTUP_TIMEOUT_MARK in text:
+                st = startup_timeout if startup_timeout is not None else "its"
+                self._fail(f"model {self.model_name!r}: loading exceeded its startupTimeout "
+                           f"({st} s): the worker did not answer LOAD in time and TorchServe killed it. "
+                           f"Raise startupTimeout in model-config.yaml or make loading faster",
+                           "startup_timeout")
+            if any(m in text for m in _WORKER_DIED_MARKS):
+                self._fail(f"model {self.model_name!r}: the worker died while loading "
+                           f"(see the model log below for the Python error)", "worker_died")
+            d = self._try_describe()
+            if d is not None:
+                desc = d
+                if startup_timeout is None:
+                    startup_timeout = d.get("startupTimeout")
+                    if deadline is None and startup_timeout:
+                        deadline = t0 + float(startup_timeout) + self.start_slack_s
+                statuses = [w.get("status") for w in d.get("workers", [])]
+                if "READY" in statuses and first_ready is None:
+                    first_ready = now - t0
+                if first_ready is not None and (not self.wait_all_workers or
+                                                (statuses and all(s == "READY" for s in statuses))):
+                    return Readiness(first_ready, now - t0, self._wait_worker_load_ms(), desc)
+            limit = deadline if deadline is not None else t0 + 120.0 + self.start_slack_s
+            if now > limit:
+                self._fail(f"model {self.model_name!r} not READY after {now - t0:.1f} s "
+                           f"(startupTimeout {startup_timeout} s + {self.start_slack_s} s start slack); "
+                           f"workers: {[w.get('status') for w in desc.get('workers', [])]}", "timeout")
+            time.sleep(POLL_S)
+
+    def _fail(self, message: str, reason: str):
+        tail = self.log_tail()
+        self.stop(check=False)
+        raise ModelNotReady(f"{message} [server dir: {self.workdir}]", reason, tail)
+
+    def _try_describe(self) -> Optional[dict]:
+        try:
+            if self.management_key() is None and not self._auth_disabled():
+                return None
+            r = self.management("GET", f"/models/{self.model_name}", timeout_s=5)
+        except (OSError, http.client.HTTPException):
+            return None
+        if r.status != 200:
+            return None
+        data = r.json()
+        return data[0] if isinstance(data, list) and data else None
+
+    def _wait_worker_load_ms(self, wait_s: float = 3.0) -> Optional[float]:
+        end = time.monotonic() + wait_s     # the metric line is flushed just after READY
+        while True:
+            v = self.worker_load_ms()
+            if v is not None or time.monotonic() > end:
+                return v
+            time.sleep(POLL_S)
+
+    # ------------------------------------------------------------------ keys and HTTP
+    def _auth_disabled(self) -> bool:
+        cfg = self.workdir / "config.properties"
+        return cfg.exists() and read_properties(cfg).get("disable_token_authorization", "").lower() == "true"
+
+    def _key(self, kind: str) -> Optional[str]:
+        if self._keys is None:
+            path = self.workdir / "key_file.json"
+            if not path.exists():
+                return None
+            try:
+                self._keys = json.loads(path.read_text())
+            except json.JSONDecodeError:
+                return None     # being written
+        return (self._keys.get(kind) or {}).get("key")
+
+    def management_key(self) -> Optional[str]:
+        return self._key("management")
+
+    def inference_key(self) -> Optional[str]:
+        return self._key("inference")
+
+    def management(self, method: str, path: str, timeout_s: float = 30.0) -> Response:
+        c = Client(self.ports.management, self.management_key(), timeout_s)
+        try:
+            return c.request(method, path)
+        finally:
+            c.close()
+
+    def client(self, timeout_s: float = 120.0) -> Client:
+        """A keep-alive inference client (one per thread)."""
+        return Client(self.ports.inference, self.inference_key(), timeout_s)
+
+    def predict(self, body: bytes, content_type: Optional[str], model: Optional[str] = None,
+                timeout_s: float = 120.0) -> Response:
+        c = self.client(timeout_s)
+        try:
+            return c.request("POST", self.predictions_path(model), body, content_type)
+        finally:
+            c.close()
+
+    def predictions_path(self, model: Optional[str] = None) -> str:
+        return f"/predictions/{model or self.model_name}"
+
+    def describe_model(self, model: Optional[str] = None) -> dict:
+        """GET /models/<name> (the first version's description)."""
+        r = self.management("GET", f"/models/{model or self.model_name}")
+        if r.status != 200:
+            raise TorchServeError(f"GET /models/{model or self.model_name} → {r.status}: {r.body[:300]!r}")
+        return r.json()[0]
+
+    def worker_pids(self) -> dict[str, Optional[int]]:
+        return {w["id"]: w.get("pid") for w in self.describe_model().get("workers", [])}
+
+    # ------------------------------------------------------------------ logs
+    @staticmethod
+    def _read_from(path: Path, offset: int) -> tuple[str, int]:
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return "", offset
+        # Only whole lines: keep a partial last line for the next read.
+        cut = data.rfind(b"\n") + 1
+        return data[:cut].decode("utf-8", "replace"), offset + cut
+
+    @staticmethod
+    def _tail(path: Path, n: int) -> str:
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return f"({path.name}: not written)"
+        return "\n".join(lines[-n:])
+
+    def log_tail(self, n: int = 40) -> str:
+        """The worker log's last lines and the frontend's last warnings/errors (stack frames and
+        the frontend's doubled lines left out)."""
+        try:
+            ts_lines = (self.logs / "ts_log.log").read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            ts_lines = []
+        warnings: list[str] = []
+        for line in ts_lines:
+            if ("[WARN" in line or "[ERROR" in line) and (not warnings or warnings[-1] != line):
+                warnings.append(line)
+        return (f"== {self.logs / 'model_log.log'} ==\n{self._tail(self.logs / 'model_log.log', n)}\n"
+                f"== {self.logs / 'ts_log.log'} (warnings/errors) ==\n" + "\n".join(warnings[-(n // 2):]))
+
+    def worker_load_ms(self) -> Optional[float]:
+        """TorchServe's WorkerLoadTime for this model (max over its workers), from ts_metrics.log."""
+        pat = re.compile(r"WorkerLoadTime\.Milliseconds:([0-9.]+)\|#WorkerName:W-\d+-(.+?)_[^_|,]*,")
+        values = []
+        try:
+            text = (self.logs / "ts_metrics.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return None
+        for m in pat.finditer(text):
+            if m.group(2) == self.model_name:
+                values.append(float(m.group(1)))
+        return max(values) if values else None
+
+    def batches(self) -> list[frozenset]:
+        """Every batch the Python backend ran, as the set of TorchServe request ids in it: one
+        PredictionTime metric per batch carries all of its ids (model_metrics.log in metrics_mode
+        log; the frontend's ts_log.log echoes the raw [METRICS] line in every mode)."""
+        seen: dict[frozenset, None] = {}
+        for name in ("model_metrics.log", "ts_log.log"):
+            try:
+                text = (self.logs / name).read_text(errors="replace")
+            except FileNotFoundError:
+                continue
+            for line in text.splitlines():
+                if "PredictionTime" in line:
+                    ids = frozenset(_UUID.findall(line))
+                    if ids:
+                        seen.setdefault(ids)
+        return list(seen)
+
+    def batch_sizes_for(self, request_ids: Iterable[str], wait_s: float = 5.0) -> Counter:
+        """Histogram {batch size: number of batches} over the batches that contain these requests."""
+        wanted = {r for r in request_ids if r}
+        end = time.monotonic() + wait_s
+        while True:
+            hits = [b for b in self.batches() if b & wanted]
+            covered = set().union(*hits) if hits else set()
+            if wanted <= covered or time.monotonic() > end:
+                return Counter(len(b) for b in hits)
+            time.sleep(0.1)
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + os.sep)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
