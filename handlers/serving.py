@@ -1,0 +1,310 @@
+"""The TorchServe handler logic shared by every runtime family (torch_handler.py, onnx_handler.py).
+
+initialize (once per worker):
+- every file is resolved inside `context.system_properties["model_dir"]` (the unpacked .mar);
+  variant.json names them, nothing points outside;
+- the serving knobs come from the packed model-config.yaml `handler:` section
+  (`threads`, `device`, `warmup_batch_size`, `max_request_bytes`);
+- the runtime is loaded by `handlers.runtime.load_runtime` (the same code the pipeline verified and
+  benchmarked), the task adapter is built once (tokenizer, labels), and one warm-up call at the
+  configured batch size runs so the first real request is not slow;
+- a load-time breakdown is logged (`[load] ...` line) and kept in `self.load_breakdown_ms`.
+
+handle (per batch): each request is decoded on its own; a bad one gets its own 4xx JSON error via
+`context.set_response_status(code, phrase, idx)` while the valid ones are collated into ONE batch and
+answered normally. Exactly one response per request, in order. Half-precision variants still take
+and return float32 JSON: the runtime casts. No state is written between requests.
+
+This module never imports torch: the ONNX handler must not pay for it.
+"""
+from __future__ import annotations
+
+import http
+import json
+import logging
+import os
+import time
+import weakref
+from typing import Any
+
+from handlers.runtime import load_runtime
+from handlers.tasks import RequestError, make_adapter
+
+log = logging.getLogger(__name__)
+
+VARIANT_FILE = "variant.json"
+HANDLER_SETTINGS = ("threads", "device", "warmup_batch_size", "max_request_bytes")
+
+
+class HandlerSetupError(RuntimeError):
+    """The packed model cannot be served as configured; the message says what to fix."""
+
+
+# --------------------------------------------------------------------------- initialize helpers
+def inside(model_dir: str, name: str) -> str:
+    """`name` (from variant.json) as a path inside model_dir; refuse absolute or escaping paths."""
+    if not isinstance(name, str) or not name or os.path.isabs(name):
+        raise HandlerSetupError(f"{VARIANT_FILE} names file {name!r}: files must be relative to the model folder")
+    root = os.path.realpath(model_dir)
+    path = os.path.realpath(os.path.join(root, name))
+    if os.path.commonpath([root, path]) != root:
+        raise HandlerSetupError(f"{VARIANT_FILE} names file {name!r}, which lies outside the model folder {root}")
+    return path
+
+
+def read_variant(model_dir: str) -> dict:
+    """variant.json of the packed variant, with every file it lists checked to be present."""
+    path = inside(model_dir, VARIANT_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            variant = json.load(f)
+    except FileNotFoundError:
+        raise HandlerSetupError(f"{VARIANT_FILE} is missing from {model_dir}: the .mar must be built by the "
+                                f"archive stage, which packs the variant folder") from None
+    except json.JSONDecodeError as e:
+        raise HandlerSetupError(f"{path}: not valid JSON ({e}); rebuild the archive") from None
+    for key in ("family", "artifact", "task"):
+        if key not in variant:
+            raise HandlerSetupError(f"{path}: key {key!r} is missing; rebuild the variant (convert stage)")
+    names = list(variant.get("files") or []) + [variant["artifact"]]
+    missing = [n for n in names if not os.path.exists(inside(model_dir, n))]
+    if missing:
+        raise HandlerSetupError(f"files listed in {VARIANT_FILE} are missing from {model_dir}: "
+                                f"{', '.join(sorted(set(missing)))}; rebuild the archive with them")
+    return variant
+
+
+def handler_settings(model_yaml_config: Any) -> dict:
+    """The `handler:` section of model-config.yaml, validated; absent keys become None."""
+    section = (model_yaml_config or {}).get("handler") if isinstance(model_yaml_config, dict) else None
+    section = section or {}
+    if not isinstance(section, dict):
+        raise HandlerSetupError(f"model-config.yaml `handler:` must be a mapping, got {section!r}")
+    unknown = sorted(set(section) - set(HANDLER_SETTINGS))
+    if unknown:
+        log.warning("model-config.yaml handler: ignoring unknown keys %s (known: %s)",
+                    unknown, ", ".join(HANDLER_SETTINGS))
+    settings = {k: section.get(k) for k in HANDLER_SETTINGS}
+    for key in ("threads", "warmup_batch_size", "max_request_bytes"):
+        value = settings[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise HandlerSetupError(f"model-config.yaml handler.{key} = {value!r}: needs a native YAML "
+                                    f"integer >= 0 (unquoted)")
+    if settings["threads"] == 0:
+        settings["threads"] = None          # 0 = let the runtime decide
+    if settings["device"] is not None and settings["device"] not in ("cpu", "cuda", "auto"):
+        raise HandlerSetupError(f"model-config.yaml handler.device = {settings['device']!r}: "
+                                f"allowed cpu, cuda, auto")
+    return settings
+
+
+def resolve_device(configured: str | None, variant_device: str | None, gpu_id: Any) -> str:
+    """'cpu' or 'cuda:<gpu_id>': the config says which kind, TorchServe says which GPU."""
+    want = configured or (variant_device.split(":")[0] if variant_device else None) or "auto"
+    if want == "auto":
+        want = "cuda" if gpu_id is not None else "cpu"
+    if want == "cpu":
+        return "cpu"
+    if gpu_id is None:
+        raise HandlerSetupError(
+            "this archive is configured for a GPU (handler.device / variant device 'cuda') but TorchServe "
+            "assigned no GPU to the worker (gpu_id is None): serve it on a GPU host with deviceType: gpu, "
+            "or rebuild the pipeline with benchmark.device: cpu")
+    return f"cuda:{int(gpu_id)}"
+
+
+# --------------------------------------------------------------------------- handle helpers
+def request_body(request: Any) -> Any:
+    """The payload of one TorchServe request dict: `body`, `data`, or a single multipart field."""
+    if not isinstance(request, dict):
+        return request
+    for key in ("body", "data"):
+        if request.get(key) is not None:
+            return request[key]
+    values = [v for v in request.values() if v is not None]
+    return values[0] if len(values) == 1 else None
+
+
+def request_content_type(context: Any, idx: int) -> str | None:
+    """Content type of request `idx`: TorchServe keeps it per parameter and per request."""
+    try:
+        headers = context.get_all_request_header(idx) or {}
+    except Exception:  # no request processor (not under TorchServe)
+        return None
+    for key in ("body", "data"):
+        param = headers.get(key)
+        if isinstance(param, dict) and param.get("content-type"):
+            return param["content-type"]
+    for key, value in headers.items():
+        if isinstance(key, str) and key.lower() == "content-type" and isinstance(value, str):
+            return value
+    return None
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"error": message, "status": status}
+
+
+def phrase(status: int) -> str:
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+def _set_status(context: Any, idx: int, status: int) -> None:
+    try:
+        context.set_response_status(status, phrase(status), idx)
+    except Exception:  # tolerate contexts without a request processor
+        log.debug("could not set status %s for request %d", status, idx)
+
+
+def _set_json(context: Any, idx: int) -> None:
+    try:
+        context.set_response_content_type(idx, "application/json")
+    except Exception:
+        pass
+
+
+# --------------------------------------------------------------------------- the handler
+class ServingHandler:
+    """Base of the per-family TorchServe handlers. Subclasses set `family` ("torch" | "onnx")."""
+
+    family: str = ""
+
+    def __init__(self) -> None:
+        self.initialized = False
+        self.runtime = None
+        self.adapter = None
+        self.variant: dict = {}
+        self.settings: dict = {}
+        self.device = "cpu"
+        self.load_breakdown_ms: dict = {}
+        self._finalizer = None
+
+    # ------------------------------------------------------------------ initialize
+    def initialize(self, context: Any) -> None:
+        t0 = time.perf_counter()
+        props = context.system_properties
+        model_dir = props.get("model_dir")
+        if not model_dir or not os.path.isdir(model_dir):
+            raise HandlerSetupError(f"system_properties['model_dir'] = {model_dir!r} is not a folder")
+        self.variant = read_variant(model_dir)
+        if self.family and self.variant["family"] != self.family:
+            raise HandlerSetupError(
+                f"{type(self).__name__} serves {self.family!r} variants but {VARIANT_FILE} says family "
+                f"{self.variant['family']!r}: the archive packed the wrong handler; rebuild it with the archive stage")
+        self.settings = handler_settings(getattr(context, "model_yaml_config", None))
+        self.device = resolve_device(self.settings["device"], self.variant.get("device"), props.get("gpu_id"))
+
+        self.runtime = load_runtime(model_dir, device=self.device, threads=self.settings["threads"])
+        # Release the session/model when the worker exits (or the handler is dropped).
+        self._finalizer = weakref.finalize(self, _close_quietly, self.runtime)
+        t_runtime = time.perf_counter()
+
+        task = dict(self.variant["task"])
+        if self.settings["max_request_bytes"]:
+            task["max_request_bytes"] = self.settings["max_request_bytes"]
+        self.adapter = make_adapter(model_dir, task)
+        t_adapter = time.perf_counter()
+
+        warmup_bs = self.settings["warmup_batch_size"]
+        if warmup_bs is None:
+            warmup_bs = int(props.get("batch_size") or 1)
+        if warmup_bs > 0:
+            self.runtime.run(self.adapter.example_feeds(warmup_bs))
+        t_warm = time.perf_counter()
+
+        phases = {f"{k}": round(v * 1000.0, 2) for k, v in (getattr(self.runtime, "load_phases", None) or {}).items()}
+        phases.update({
+            "runtime_total": round((t_runtime - t0) * 1000.0, 2),
+            "adapter": round((t_adapter - t_runtime) * 1000.0, 2),
+            f"warmup_bs{warmup_bs}": round((t_warm - t_adapter) * 1000.0, 2),
+            "total": round((t_warm - t0) * 1000.0, 2),
+        })
+        self.load_breakdown_ms = phases
+        log.info("[load] variant=%s family=%s format=%s dtype=%s device=%s threads=%s: %s",
+                 self.variant.get("variant"), self.variant["family"], self.variant.get("format"),
+                 self.variant.get("dtype"), self.device, self.settings["threads"] or "runtime default",
+                 " ".join(f"{k}={v}ms" for k, v in phases.items()))
+        self.initialized = True
+
+    # ------------------------------------------------------------------ handle
+    def handle(self, data: list | None, context: Any) -> list | None:
+        if data is None:
+            return None
+        responses: list = [None] * len(data)
+        samples: list = []
+        positions: list[int] = []
+        for idx, request in enumerate(data):
+            _set_json(context, idx)
+            try:
+                samples.append(self.decode_one(request, context, idx))
+                positions.append(idx)
+            except RequestError as e:
+                responses[idx] = self._fail(context, idx, e.status, e.message)
+            except (ValueError, TypeError, UnicodeError) as e:
+                responses[idx] = self._fail(context, idx, 400, f"could not decode the request: {e}")
+            except Exception as e:  # an adapter bug must not take the batch-mates down
+                log.exception("decoding request %d failed", idx)
+                responses[idx] = self._fail(context, idx, 500, f"internal error decoding the request: {type(e).__name__}")
+        if samples:
+            for pos, answer in zip(positions, self._infer(samples)):
+                if isinstance(answer, _Failure):
+                    responses[pos] = self._fail(context, pos, answer.status, answer.message)
+                else:
+                    responses[pos] = answer
+        return responses
+
+    def decode_one(self, request: Any, context: Any, idx: int) -> dict:
+        # Empty bodies, the size limit and content checks are the adapter's (handlers/tasks.py).
+        return self.adapter.decode(request_body(request), request_content_type(context, idx))
+
+    def _infer(self, samples: list) -> list:
+        """Run the valid samples as one batch; if the batch fails, run them one by one so only the
+        sample that breaks the model gets an error."""
+        try:
+            return self._run(samples)
+        except MemoryError:
+            log.exception("out of memory at batch %d", len(samples))
+            if len(samples) == 1:
+                return [_Failure(507, "out of memory running the model")]
+        except Exception as e:
+            log.exception("inference failed at batch %d", len(samples))
+            if len(samples) == 1:
+                return [_Failure(500, f"the model failed on this input: {type(e).__name__}: {e}")]
+        return [self._infer([s])[0] for s in samples]
+
+    def _run(self, samples: list) -> list:
+        outputs = self.runtime.run(self.adapter.collate(samples))
+        return [self.adapter.respond(outputs, j) for j in range(len(samples))]
+
+    @staticmethod
+    def _fail(context: Any, idx: int, status: int, message: str) -> dict:
+        _set_status(context, idx, status)
+        return error_body(status, message)
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self.runtime = None
+        self.initialized = False
+
+
+class _Failure:
+    __slots__ = ("status", "message")
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status, self.message = status, message
+
+
+def _close_quietly(runtime: Any) -> None:
+    try:
+        runtime.close()
+    except Exception:
+        pass
+
+
+__all__ = ["ServingHandler", "HandlerSetupError", "read_variant", "handler_settings", "resolve_device",
+           "request_body", "request_content_type", "error_body", "inside"]

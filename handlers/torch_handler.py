@@ -1,0 +1,11 @@
+"""TorchServe handler for torch-family variants: eager, TorchScript, fp16/bf16, AOTInductor package.
+
+TorchServe loads `torch_handler` from the unpacked .mar and needs exactly one class defined here.
+Loading, casting to the variant's dtype and device placement are the runtime's job
+(handlers/runtime_torch.py); request handling is shared (handlers/serving.py).
+"""
+from handlers.serving import ServingHandler
+
+
+class TorchHandler(ServingHandler):
+    family = "torch"
