@@ -27,7 +27,8 @@ import time
 import weakref
 from typing import Any
 
-from handlers.runtime import load_runtime
+from handlers.runtime import RuntimeLoadError, load_runtime
+from handlers.runtime import read_variant as runtime_read_variant
 from handlers.tasks import RequestError, make_adapter
 
 log = logging.getLogger(__name__)
@@ -53,19 +54,15 @@ def inside(model_dir: str, name: str) -> str:
 
 
 def read_variant(model_dir: str) -> dict:
-    """variant.json of the packed variant, with every file it lists checked to be present."""
-    path = inside(model_dir, VARIANT_FILE)
+    """variant.json of the packed variant (parsed by the runtime's reader), with every file it lists
+    checked to lie inside the model folder and be present."""
     try:
-        with open(path, encoding="utf-8") as f:
-            variant = json.load(f)
-    except FileNotFoundError:
-        raise HandlerSetupError(f"{VARIANT_FILE} is missing from {model_dir}: the .mar must be built by the "
-                                f"archive stage, which packs the variant folder") from None
-    except json.JSONDecodeError as e:
-        raise HandlerSetupError(f"{path}: not valid JSON ({e}); rebuild the archive") from None
-    for key in ("family", "artifact", "task"):
-        if key not in variant:
-            raise HandlerSetupError(f"{path}: key {key!r} is missing; rebuild the variant (convert stage)")
+        variant = runtime_read_variant(model_dir)
+    except RuntimeLoadError as e:
+        raise HandlerSetupError(f"{e} (the .mar must be built by the archive stage, which packs the "
+                                f"variant folder)") from None
+    if "task" not in variant:
+        raise HandlerSetupError(f"{model_dir}/{VARIANT_FILE}: key 'task' is missing; rebuild the variant")
     names = list(variant.get("files") or []) + [variant["artifact"]]
     missing = [n for n in names if not os.path.exists(inside(model_dir, n))]
     if missing:
@@ -98,19 +95,19 @@ def handler_settings(model_yaml_config: Any) -> dict:
     return settings
 
 
-def resolve_device(configured: str | None, variant_device: str | None, gpu_id: Any) -> str:
-    """'cpu' or 'cuda:<gpu_id>': the config says which kind, TorchServe says which GPU."""
+def resolve_device(configured: str | None, variant_device: str | None, gpu_id: Any) -> tuple[str, int | None]:
+    """('cpu', None) or ('cuda', gpu_id): the config says which kind, TorchServe says which GPU."""
     want = configured or (variant_device.split(":")[0] if variant_device else None) or "auto"
     if want == "auto":
         want = "cuda" if gpu_id is not None else "cpu"
     if want == "cpu":
-        return "cpu"
+        return "cpu", None
     if gpu_id is None:
         raise HandlerSetupError(
             "this archive is configured for a GPU (handler.device / variant device 'cuda') but TorchServe "
             "assigned no GPU to the worker (gpu_id is None): serve it on a GPU host with deviceType: gpu, "
             "or rebuild the pipeline with benchmark.device: cpu")
-    return f"cuda:{int(gpu_id)}"
+    return "cuda", int(gpu_id)
 
 
 # --------------------------------------------------------------------------- handle helpers
@@ -195,9 +192,12 @@ class ServingHandler:
                 f"{type(self).__name__} serves {self.family!r} variants but {VARIANT_FILE} says family "
                 f"{self.variant['family']!r}: the archive packed the wrong handler; rebuild it with the archive stage")
         self.settings = handler_settings(getattr(context, "model_yaml_config", None))
-        self.device = resolve_device(self.settings["device"], self.variant.get("device"), props.get("gpu_id"))
+        kind, gpu_id = resolve_device(self.settings["device"], self.variant.get("device"), props.get("gpu_id"))
+        if gpu_id is not None:
+            self.select_gpu(gpu_id)
+        self.device = kind if gpu_id is None else f"cuda:{gpu_id}"
 
-        self.runtime = load_runtime(model_dir, device=self.device, threads=self.settings["threads"])
+        self.runtime = load_runtime(model_dir, device=kind, threads=self.settings["threads"])
         # Release the session/model when the worker exits (or the handler is dropped).
         self._finalizer = weakref.finalize(self, _close_quietly, self.runtime)
         t_runtime = time.perf_counter()
@@ -228,6 +228,10 @@ class ServingHandler:
                  self.variant.get("dtype"), self.device, self.settings["threads"] or "runtime default",
                  " ".join(f"{k}={v}ms" for k, v in phases.items()))
         self.initialized = True
+
+    def select_gpu(self, gpu_id: int) -> None:
+        """Make `gpu_id` the device that 'cuda' means for this worker's runtime (per family)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ handle
     def handle(self, data: list | None, context: Any) -> list | None:

@@ -9,3 +9,8 @@ from handlers.serving import ServingHandler
 
 class TorchHandler(ServingHandler):
     family = "torch"
+
+    def select_gpu(self, gpu_id: int) -> None:
+        import torch   # the worker has imported it already
+        # 'cuda' without an index is the current device: the GPU TorchServe gave this worker.
+        torch.cuda.set_device(gpu_id)
