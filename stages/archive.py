@@ -1,0 +1,48 @@
+"""archive: pack the winner into artifacts/model_store/<name>.mar and the naive baseline into
+artifacts/baseline/ (<name>.mar + config.properties).
+
+    python -m stages.archive [--params FILE] [--no-baseline]
+
+Reads artifacts/selection.json, artifacts/variants/<winner>/, artifacts/serve/model-config.yaml
+(+ derivation.json), artifacts/env.json. Exits non-zero with one clear message when an input is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from pipeline.archive import ArchiveError, build_archive, build_baseline
+from pipeline.params import ParamsError, load_params
+from pipeline.paths import BASELINE_DIR, ENV_JSON, MODEL_STORE, SELECTION_JSON, SERVE_DIR, VARIANTS_DIR
+
+log = logging.getLogger("stages.archive")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default=None, help="params file (default: params.yaml)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the naive baseline archive")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        params = load_params(args.params)
+        t0 = time.perf_counter()
+        result = build_archive(params, selection_path=SELECTION_JSON, variants_dir=VARIANTS_DIR,
+                               serve_dir=SERVE_DIR, env_path=ENV_JSON, export_dir=MODEL_STORE)
+        log.info("wrote %s (%d files, %.1f MB, handler %s) in %.1f s", result.path, len(result.files),
+                 result.bytes / 1e6, result.handler, time.perf_counter() - t0)
+        if not args.no_baseline:
+            t1 = time.perf_counter()
+            base = build_baseline(params, variants_dir=VARIANTS_DIR, baseline_dir=BASELINE_DIR)
+            log.info("wrote baseline %s + %s in %.1f s", base.path, BASELINE_DIR / "config.properties",
+                     time.perf_counter() - t1)
+    except (ParamsError, ArchiveError) as e:
+        print(f"archive: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
