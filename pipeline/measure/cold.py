@@ -34,7 +34,8 @@ def thread_env(threads: Optional[int]) -> dict:
 
 def cold_start_once(model_dir, loader: str = DEFAULT_LOADER, feeds: str = DEFAULT_FEEDS, device: str = "cpu",
                     threads: Optional[int] = None, seq_len: Optional[int] = None,
-                    timeout_s: float = 300.0, python: str = sys.executable) -> dict[str, float]:
+                    timeout_s: float = 300.0, tensorrt: bool = False,
+                    python: str = sys.executable) -> dict[str, float]:
     """One fresh process; phase → seconds, with `total` = spawn → first call done."""
     cmd = [python, "-m", "pipeline.measure.cold_child", "--model-dir", str(model_dir),
            "--loader", loader, "--feeds", feeds, "--device", device]
@@ -42,6 +43,8 @@ def cold_start_once(model_dir, loader: str = DEFAULT_LOADER, feeds: str = DEFAUL
         cmd += ["--threads", str(threads)]
     if seq_len:
         cmd += ["--seq-len", str(seq_len)]
+    if tensorrt:
+        cmd += ["--tensorrt"]
     spawned_at = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
@@ -89,12 +92,13 @@ def raw_read_seconds(files: Sequence[Path], repeats: int = 3, chunk: int = 16 * 
 
 def measure_cold_load(model_dir, runs: int, artifact_paths: Sequence[Path], loader: str = DEFAULT_LOADER,
                       feeds: str = DEFAULT_FEEDS, device: str = "cpu", threads: Optional[int] = None,
-                      seq_len: Optional[int] = None, timeout_s: float = 300.0, on_run=None) -> ColdLoadSummary:
+                      seq_len: Optional[int] = None, timeout_s: float = 300.0, tensorrt: bool = False,
+                      on_run=None) -> ColdLoadSummary:
     if runs < 1:
         raise ValueError(f"benchmark.cold_runs must be >= 1, got {runs}")
     samples = []
     for i in range(runs):
-        samples.append(cold_start_once(model_dir, loader, feeds, device, threads, seq_len, timeout_s))
+        samples.append(cold_start_once(model_dir, loader, feeds, device, threads, seq_len, timeout_s, tensorrt))
         if on_run:
             on_run(i)
     raw = raw_read_seconds(artifact_paths, repeats=runs)

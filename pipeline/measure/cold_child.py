@@ -40,14 +40,15 @@ def resolve_callable(spec: str):
         raise ValueError(f"callable spec {spec!r}: {target} has no attribute {name!r}") from None
 
 
-def cold_start(loader_spec: str, feeds_spec: str, model_dir: str, device: str, threads, seq_len) -> dict:
+def cold_start(loader_spec: str, feeds_spec: str, model_dir: str, device: str, threads, seq_len,
+               tensorrt: bool = False) -> dict:
     phases = {"interpreter": 0.0}
     t0 = time.monotonic()
     loader = resolve_callable(loader_spec)
     import_module_s = time.monotonic() - t0
 
     t0 = time.monotonic()
-    runtime = loader(model_dir, device=device, threads=threads)
+    runtime = loader(model_dir, device=device, threads=threads, **({"tensorrt": True} if tensorrt else {}))
     load_wall = time.monotonic() - t0
     reported = {k: float(v) for k, v in (getattr(runtime, "load_phases", None) or {}).items()}
     if not reported:          # a loader that reports no phases: its whole call is deserialization
@@ -83,8 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--tensorrt", action="store_true")
     a = ap.parse_args(argv)
-    result = cold_start(a.loader, a.feeds, a.model_dir, a.device, a.threads, a.seq_len)
+    result = cold_start(a.loader, a.feeds, a.model_dir, a.device, a.threads, a.seq_len, a.tensorrt)
     sys.stdout.write(MARKER + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0

@@ -38,6 +38,7 @@ class BenchmarkSettings:
     min_gain: float = 0.05
     latency_cap_ms: float = 2000.0
     text_length: int = 64
+    tensorrt: bool = False           # ONNX on CUDA: ask the loader for the TensorRT EP first
     cold_timeout_s: float = 300.0
 
     @classmethod
@@ -46,7 +47,7 @@ class BenchmarkSettings:
         return cls(batch_sizes=tuple(bp.batch_sizes), threads=bp.threads, cold_runs=bp.cold_runs,
                    warmup_iters=bp.warmup_iters, min_iters=bp.min_iters, min_duration_s=bp.min_duration_s,
                    max_cv=bp.max_cv, min_gain=bp.min_gain, latency_cap_ms=bp.latency_cap_ms,
-                   text_length=bp.text_length)
+                   text_length=bp.text_length, tensorrt=bp.tensorrt)
 
 
 def outcome_record(variant: str, status: str, reason: Optional[str], device: str,
@@ -76,7 +77,7 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
 
     # 1. cold load, each run in its own fresh process (threads pinned there before any import)
     cold = measure_cold_load(model_dir, settings.cold_runs, files, loader, feeds, device, threads, seq_len,
-                             settings.cold_timeout_s, on_run=lambda i: bar.update())
+                             settings.cold_timeout_s, tensorrt=settings.tensorrt, on_run=lambda i: bar.update())
     log.info("%s: %s", variant, cold.render())
 
     # 2. steady state, in this process: pin threads before the runtime imports its library
@@ -84,7 +85,8 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
         for k, v in thread_env(threads).items():
             if k.endswith("_NUM_THREADS"):
                 os.environ[k] = v
-    runtime = resolve_callable(loader)(str(model_dir), device=device, threads=threads)
+    runtime = resolve_callable(loader)(str(model_dir), device=device, threads=threads,
+                                       **({"tensorrt": True} if settings.tensorrt else {}))
     make_feeds = resolve_callable(feeds)
     sync = synchronizer(device)
     gpu = memory.GpuMemoryTracker(device)
@@ -178,3 +180,37 @@ def benchmark_or_record(model_dir, variant: str, settings: BenchmarkSettings, de
         log.exception("%s: benchmark failed", variant)
         return outcome_record(variant, "failed", f"{type(e).__name__}: {str(e)[:2000]}", device,
                               serving_threads(device, max(settings.threads, 0)))
+
+
+def _isolated_entry(conn, args):
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        conn.send(benchmark_or_record(*args))
+    finally:
+        conn.close()
+
+
+def benchmark_isolated(model_dir, variant: str, settings: BenchmarkSettings, device: str,
+                       loader: str = DEFAULT_LOADER, feeds: str = DEFAULT_FEEDS) -> dict:
+    """benchmark_or_record in a fresh (spawned) process: a runtime that crashes the interpreter
+    (segfault, abort, OOM kill) becomes a `failed` record, and the steady-state peak RSS is the
+    variant's own, not this process's."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_isolated_entry, args=(child, (str(model_dir), variant, settings, device, loader, feeds)),
+                       name=f"benchmark-{variant}")
+    proc.start()
+    child.close()
+    record = None
+    try:
+        record = parent.recv()
+    except EOFError:
+        pass
+    proc.join()
+    if record is None:
+        code = proc.exitcode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return outcome_record(variant, "failed", f"the benchmark process died ({how}) without a result",
+                              device, serving_threads(device, max(settings.threads, 0)))
+    return record

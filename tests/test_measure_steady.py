@@ -1,0 +1,140 @@
+"""Stop rule (iterations AND duration), CV re-measure-then-flag, and the batch sweep's early stop.
+
+Timing is driven by a fake clock, so the assertions are exact and independent of machine load.
+"""
+import pytest
+import torch
+
+from pipeline.measure.stats import LatencySummary
+from pipeline.measure.steady import (StableMeasurement, StopRule, SweepPolicy, measure_latency, measure_stable,
+                                     sweep)
+
+
+class FakeClock:
+    """Time advances only when the measured call runs."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def call(self, cost_s):
+        def run():
+            self.now += cost_s
+        return run
+
+
+def test_stop_rule_needs_both_iterations_and_duration():
+    rule = StopRule(min_iters=10, min_duration_s=1.0)
+    assert not rule.done(9, 5.0)       # long enough, too few calls
+    assert not rule.done(100, 0.5)     # many calls, too short
+    assert rule.done(10, 1.0)
+    with pytest.raises(ValueError):
+        StopRule(0, 1.0)
+
+
+def test_measure_latency_duration_binds_when_calls_are_fast():
+    clock = FakeClock()
+    s = measure_latency(clock.call(0.1), 2, StopRule(min_iters=5, min_duration_s=1.0), warmup_iters=3, clock=clock)
+    assert s.iters == 10                    # 5 iterations would take only 0.5 s
+    assert s.p50_s == pytest.approx(0.1) and s.throughput_sps == pytest.approx(20.0)
+    assert clock.now == pytest.approx(1.3)  # + 3 warm-up calls, not timed
+
+
+def test_measure_latency_iterations_bind_when_calls_are_slow():
+    clock = FakeClock()
+    s = measure_latency(clock.call(0.5), 1, StopRule(min_iters=7, min_duration_s=1.0), clock=clock)
+    assert s.iters == 7                     # 1 s was reached after 2 calls
+
+
+def test_measure_latency_syncs_inside_the_timed_interval():
+    clock = FakeClock()
+    # a "device" whose queued work only shows up at synchronisation: 0.01 s launch + 0.09 s sync
+    s = measure_latency(clock.call(0.01), 1, StopRule(3, 0.0), sync=clock.call(0.09), clock=clock)
+    assert s.p50_s == pytest.approx(0.1)
+
+
+def test_measure_latency_on_a_real_tiny_torch_model():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
+    x = torch.randn(8, 16)
+    with torch.inference_mode():
+        s = measure_latency(lambda: model(x), 8, StopRule(min_iters=30, min_duration_s=0.05), warmup_iters=2)
+    assert s.iters >= 30 and s.total_s > 0
+    assert 0 < s.p50_s <= s.p90_s <= s.p99_s
+    assert s.throughput_sps == pytest.approx(8 * s.iters / s.total_s)
+
+
+def _summary(ms, batch=1, jitter=0.0):
+    samples = [ms / 1e3 * (1 + (jitter if i % 2 else -jitter)) for i in range(20)]
+    return LatencySummary.from_samples(samples, batch)
+
+
+def test_quiet_run_is_not_remeasured():
+    calls = iter([_summary(10, jitter=0.01)])
+    m = measure_stable(lambda: next(calls), max_cv=0.15)
+    assert not m.remeasured and not m.noisy
+
+
+def test_noisy_run_is_remeasured_once_and_kept_when_it_settles():
+    runs = [_summary(10, jitter=0.5), _summary(10, jitter=0.02)]
+    calls = iter(runs)
+    m = measure_stable(lambda: next(calls), max_cv=0.15)
+    assert m.remeasured and not m.noisy and m.summary is runs[1]
+    assert m.first_cv > 0.15
+
+
+def test_still_noisy_after_remeasure_is_flagged():
+    calls = iter([_summary(10, jitter=0.5), _summary(10, jitter=0.4), _summary(10)])
+    m = measure_stable(lambda: next(calls), max_cv=0.15)
+    assert m.remeasured and m.noisy and m.summary.cv > 0.15
+    assert next(calls).cv == 0.0            # measured exactly twice, not three times
+
+
+def _sweep_table(latency_ms_by_batch, max_cv=0.15):
+    measured = []
+
+    def measure_at(b):
+        measured.append(b)
+        return StableMeasurement(_summary(latency_ms_by_batch[b], b), noisy=False, remeasured=False, first_cv=0.0)
+    return measure_at, measured
+
+
+def test_sweep_stops_when_throughput_gain_falls_under_min_gain():
+    # throughput: 100, 166.7, 173.9 (+4.3 %), ...
+    measure_at, measured = _sweep_table({1: 10, 2: 12, 4: 23, 8: 40})
+    r = sweep(measure_at, [1, 2, 4, 8], SweepPolicy(min_gain=0.05, latency_cap_ms=1000))
+    assert measured == [1, 2, 4] and list(r.points) == [1, 2, 4]
+    assert r.stopped_early["after_batch"] == 4 and "min_gain" in r.stopped_early["why"]
+
+
+def test_sweep_stops_when_p99_passes_the_latency_cap():
+    measure_at, measured = _sweep_table({1: 10, 2: 12, 4: 20, 8: 30})
+    r = sweep(measure_at, [1, 2, 4, 8], SweepPolicy(min_gain=0.0, latency_cap_ms=15))
+    assert measured == [1, 2, 4]
+    assert r.stopped_early == {"after_batch": 4, "why": "p99 20.0 ms > latency_cap_ms 15"}
+
+
+def test_sweep_runs_every_size_when_gains_hold_and_keeps_json_keys_as_strings():
+    measure_at, measured = _sweep_table({1: 10, 2: 12, 4: 14, 8: 16})
+    r = sweep(measure_at, [1, 2, 4, 8], SweepPolicy(min_gain=0.05, latency_cap_ms=1000))
+    assert measured == [1, 2, 4, 8] and r.stopped_early is None
+    d = r.as_dict()
+    assert list(d) == ["1", "2", "4", "8"] and d["8"]["batch_size"] == 8 and d["8"]["noisy"] is False
+
+
+def test_sweep_stops_at_out_of_memory_but_keeps_measured_sizes():
+    def measure_at(b):
+        if b >= 4:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return StableMeasurement(_summary(10, b), False, False, 0.0)
+    r = sweep(measure_at, [1, 2, 4, 8], SweepPolicy(min_gain=0.0, latency_cap_ms=1000))
+    assert list(r.points) == [1, 2] and r.stopped_early["after_batch"] == 2
+    assert "out of memory at batch 4" in r.stopped_early["why"]
+
+
+def test_sweep_reraises_other_errors():
+    def measure_at(b):
+        raise ValueError("shape mismatch")
+    with pytest.raises(ValueError, match="shape mismatch"):
+        sweep(measure_at, [1, 2], SweepPolicy(0.05, 1000))
