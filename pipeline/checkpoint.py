@@ -412,7 +412,8 @@ def load_model(params: Params) -> LoadedModel:
         module = module.float().eval() if not isinstance(module, torch.jit.ScriptModule) else module.eval()
         loaded = (_image_classification if m.task == "image-classification" else _tensor)(params, module, sources)
     # Inference only: outputs never carry autograd state (numpy() works on them directly).
-    loaded.module.requires_grad_(False)
+    for param in loaded.module.parameters():
+        param.requires_grad_(False)
     return loaded
 
 
