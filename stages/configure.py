@@ -1,0 +1,92 @@
+"""configure: derive the TorchServe settings from the winner's measurements (artifacts/serve/).
+
+    python -m stages.configure [--out DIR]
+
+Writes derivation.json (every value with formula, inputs, overridden), model-config.yaml (packed
+into the .mar), config.properties and start_command.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+from pipeline.params import ParamsError, load_params
+from pipeline.paths import ENV_JSON, GOLDEN_DIR, MODEL_STORE, SELECTION_JSON, SERVE_DIR, benchmark_json
+from pipeline.properties import (ConfigWriteError, start_command, write_config_properties, write_model_config,
+                                 write_start_command)
+from pipeline.serve_config import DerivationError, derivation_as_dict, derive_serve_config
+
+log = logging.getLogger("stages.configure")
+
+
+class ConfigureError(RuntimeError):
+    pass
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise ConfigureError(f"{path} not found ({what}); run the earlier stages: `dvc repro configure`")
+    return json.loads(path.read_text())
+
+
+def sample_elements(golden_dir: Path) -> Optional[dict]:
+    """Elements per sample of all inputs / all outputs, from the golden set (None when absent)."""
+    if not (golden_dir / "golden.json").is_file():
+        return None
+    from pipeline.golden import read_golden
+    g = read_golden(golden_dir)
+    b = g.batches[0]
+    return {"input": int(sum(a.size for a in b.feeds.values()) // b.batch_size),
+            "output": int(sum(a.size for a in b.outputs) // b.batch_size)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(SERVE_DIR), help="output folder (default: %(default)s)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        params = load_params()
+        selection = _read_json(SELECTION_JSON, "the select stage's decision")
+        winner = selection.get("winner")
+        if not winner:
+            raise ConfigureError(f"{SELECTION_JSON}: no winner — {selection.get('message')}")
+        benchmark = _read_json(benchmark_json(winner), f"the benchmark of {winner}")
+        env = _read_json(ENV_JSON, "the probe stage's environment")
+        m = params.model
+        task = {"kind": m.task, "input_shape": m.input_shape, "max_length": m.text.max_length}
+        derivation = derive_serve_config(benchmark, env, params.serve, task=task,
+                                         sample_elements=sample_elements(GOLDEN_DIR))
+        serve = params.serve
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        model_store = serve.model_store or str(MODEL_STORE.resolve())
+        source = (f"Winner: {winner} (objective {selection.get('objective')}, SLO "
+                  f"{serve.latency_slo_ms:g} ms, slo_met {selection.get('slo_met')}).")
+        (out / "derivation.json").write_text(json.dumps(derivation_as_dict(derivation), indent=2) + "\n")
+        write_model_config(out / "model-config.yaml", derivation, source=source)
+        ports = {"inference": serve.inference_port, "management": serve.management_port,
+                 "metrics": serve.metrics_port}
+        config_path = write_config_properties(out / "config.properties", derivation, model_name=m.name,
+                                              model_store=model_store, bind_address=serve.bind_address,
+                                              platform=serve.platform, ports=ports, source=source)
+        cmd = start_command(model_name=m.name, model_store=model_store, config_path=config_path.resolve(),
+                            threads=derivation["threads_per_worker"].value, platform=serve.platform)
+        write_start_command(out / "start_command.txt", cmd, serve.platform)
+    except (ParamsError, ConfigureError, DerivationError, ConfigWriteError) as e:
+        print(f"configure: error: {e}", file=sys.stderr)
+        return 2
+    log.info("winner %s on %s", winner, derivation["device"].value)
+    for key, d in derivation.items():
+        log.info("%-20s = %-10s %s%s", key, d.value, d.formula, "  [OVERRIDDEN, derived %s]" % d.derived_value
+                 if d.overridden else "")
+    log.info("wrote derivation.json, model-config.yaml, config.properties, start_command.txt to %s", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

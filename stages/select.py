@@ -1,0 +1,73 @@
+"""select: choose one variant from the verification and benchmark records (artifacts/selection.json).
+
+    python -m stages.select [--out FILE]
+
+Always writes one decision. Exits non-zero only when nothing can be served, or when
+serve.require_slo is true and no variant meets the constraints.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+from pipeline.params import ParamsError, load_params
+from pipeline.paths import SELECTION_JSON, benchmark_json, variant_dir
+from pipeline.selection import Criteria, SelectionError, check_decision, select
+
+log = logging.getLogger("stages.select")
+
+
+def _read(path: Path) -> Optional[dict]:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        log.warning("%s is not valid JSON (%s): treating the variant as failed", path, e)
+        return {"status": "failed", "reason": f"{path} is not valid JSON: {e}"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(SELECTION_JSON), help="decision file (default: %(default)s)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        params = load_params()
+    except ParamsError as e:
+        print(f"select: error: {e}", file=sys.stderr)
+        return 2
+    criteria = Criteria.from_serve(params.serve)
+    conversions = {v: _read(variant_dir(v) / "conversion.json") for v in params.variants}
+    benchmarks = {v: _read(benchmark_json(v)) for v in params.variants}
+    decision = select(params.variants, conversions, benchmarks, criteria)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(decision, indent=2) + "\n")
+    for v, rec in decision["variants"].items():
+        f = rec["figures"]
+        figs = (f"batch {f['batch_size']}, p99/request {f['request_p99_ms']:.1f} ms, {f['throughput_sps']:.1f} "
+                f"samples/s, cv {f['cv']:.3f}, {f['worker_memory_mb'] or 0:.0f} MB, cold {f['cold_load_median_ms']:.0f} ms"
+                if "throughput_sps" in f else "no measurements")
+        log.info("%-10s %-8s %s%s", v, rec["status"], figs,
+                 ("  — " + "; ".join(rec["reasons"])) if rec["reasons"] else "")
+    if decision["slo_met"]:
+        log.info("decision: %s", decision["message"])
+    else:
+        print(f"select: WARNING: {decision['message']}", file=sys.stderr)
+    log.info("wrote %s", out)
+    try:
+        check_decision(decision, params.serve.require_slo)
+    except SelectionError as e:
+        print(f"select: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
