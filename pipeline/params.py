@@ -154,6 +154,7 @@ class ServeCheckParams:
 @dataclass(frozen=True)
 class PublishParams:
     remote: Optional[str] = None
+    kserve_storage_uri: Optional[str] = None   # storageUri written into artifacts/kserve/inferenceservice.yaml; None → placeholder
 
 
 @dataclass(frozen=True)

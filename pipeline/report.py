@@ -17,12 +17,13 @@ import hashlib
 import html
 import json
 import logging
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
+
+from pipeline.kserve import mar_model_version
 
 log = logging.getLogger(__name__)
 
@@ -116,16 +117,6 @@ def collect_inputs(root: Path, model_name: str, latency_slo_ms: float, variants:
     else:
         missing.append(_rel(mar, root))
     return inputs
-
-
-def mar_model_version(mar: Path) -> Optional[str]:
-    """modelVersion from the archive's MAR-INF/MANIFEST.json (None if it is not a readable zip)."""
-    try:
-        with zipfile.ZipFile(mar) as z:
-            manifest = json.loads(z.read("MAR-INF/MANIFEST.json"))
-        return str(manifest.get("model", {}).get("modelVersion")) or None
-    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError, OSError):
-        return None
 
 
 # --------------------------------------------------------------------------- figures
