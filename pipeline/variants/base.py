@@ -1,0 +1,115 @@
+"""The converter registry: one class per deployment variant, registered by name (Olive-style passes).
+
+A converter declares its own options (an `Options` dataclass built from params by `from_params`),
+the runtime family/format/dtype of what it builds, and one or more build `methods` in order of
+preference (e.g. a frozen TorchScript first, the plain trace if freezing does not verify). Each
+method writes ONE artifact into the variant folder and returns an `Artifact` describing it; building
+the folder around it (variant.json, extra files) and verifying it is `pipeline.variants.build`'s job.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from pipeline.params import Params
+
+REGISTRY: dict[str, type["Converter"]] = {}
+
+
+@dataclass
+class BuildContext:
+    """Everything a build method may use. `device` is the resolved target ('cpu' | 'cuda')."""
+    loaded: Any                    # pipeline.checkpoint.LoadedModel
+    golden: Any                    # pipeline.golden.Golden
+    out_dir: Path
+    device: str
+
+    def example_feeds(self, batch_size: int | None = None) -> dict[str, np.ndarray]:
+        """A golden batch's feeds: of `batch_size`, or the largest batch when None (tracing with a
+        batch > 1 keeps torch.export from specialising the batch dimension to 1)."""
+        batches = self.golden.batches
+        if batch_size is None:
+            return max(batches, key=lambda b: b.batch_size).feeds
+        for b in batches:
+            if b.batch_size == batch_size:
+                return b.feeds
+        raise ValueError(f"the golden set has no batch of size {batch_size} "
+                         f"(sizes: {sorted({b.batch_size for b in batches})}); re-run `python -m stages.prepare`")
+
+    def example_inputs(self, batch_size: int | None = None, device: str = "cpu", float_dtype=None) -> tuple:
+        import torch
+        feeds = self.example_feeds(batch_size)
+        args = []
+        for spec in self.loaded.inputs:
+            t = torch.as_tensor(feeds[spec.name]).to(device)
+            if float_dtype is not None and t.is_floating_point():
+                t = t.to(float_dtype)
+            args.append(t)
+        return tuple(args)
+
+    def dynamic_shapes(self) -> tuple:
+        """torch.export dynamic shapes from the inputs' dynamic axes. Dim.DYNAMIC raises when tracing
+        specialises an axis (e.g. a Python int taken from the batch size) instead of hiding it."""
+        import torch
+        return tuple({int(axis): torch.export.Dim.DYNAMIC for axis in spec.dynamic_axes}
+                     for spec in self.loaded.inputs)
+
+
+@dataclass
+class Artifact:
+    """What one build method wrote."""
+    file: str                                   # name inside the variant folder
+    format: str                                 # runtime format: eager | torchscript | aoti | onnx
+    input_dtypes: dict[str, str]                # what the artifact takes, per input
+    extra: dict = field(default_factory=dict)   # more variant.json fields (e.g. graph_optimized)
+
+
+class Converter:
+    name: ClassVar[str]
+    family: ClassVar[str]                       # torch | onnx
+    dtype: ClassVar[str] = "float32"            # compute dtype; selects the tolerance
+    methods: ClassVar[tuple[str, ...]]          # build methods, most preferred first
+
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    def __init__(self, options: "Converter.Options | None" = None):
+        self.options = options if options is not None else self.Options()
+
+    @classmethod
+    def from_params(cls, params: Params) -> "Converter":
+        return cls(cls.Options())
+
+    def options_dict(self) -> dict:
+        return dataclasses.asdict(self.options)
+
+    def build(self, method: str, ctx: BuildContext) -> Artifact:
+        fn = getattr(self, "build_" + method.replace("-", "_").replace("+", "_"), None)
+        if fn is None:
+            raise ValueError(f"{type(self).__name__} has no build method {method!r}")
+        return fn(ctx)
+
+
+def register(cls: type[Converter]) -> type[Converter]:
+    if cls.name in REGISTRY:
+        raise ValueError(f"variant {cls.name!r} registered twice ({REGISTRY[cls.name].__name__}, {cls.__name__})")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_converter(name: str) -> type[Converter]:
+    import pipeline.variants  # noqa: F401  (registers every variant module)
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no converter registered for variant {name!r}; known: {', '.join(sorted(REGISTRY))}") from None
+
+
+def default_input_dtypes(loaded, float_dtype: str = "float32") -> dict[str, str]:
+    """Artifact input dtypes: integer inputs unchanged, floating inputs in `float_dtype`."""
+    return {s.name: (float_dtype if s.dtype.startswith("float") else s.dtype) for s in loaded.inputs}

@@ -1,0 +1,204 @@
+"""Build one variant folder: convert → assemble (variant.json, extra files) → verify → record.
+
+`build_variant` tries the converter's methods in order and keeps the first that verifies; every
+outcome writes `conversion.json` (docs/artifacts.md):
+- converted: the folder holds the artifact, variant.json, the task's extra files;
+- rejected: an artifact was built but missed the golden set (the reason names the worst element);
+- failed: no artifact could be built (the reason is the real exception; the traceback tail is kept).
+A folder that is not `converted` keeps only conversion.json, so nothing downstream can load it.
+
+`convert_isolated` runs all of it in its own process (`python -m pipeline.variants.worker`) with a
+time limit: a hung or crashing conversion is killed and recorded as failed, never stops the others.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from pipeline.params import REPO_ROOT, Tolerance
+from pipeline.variants.base import Artifact, BuildContext, Converter
+from pipeline.verify import Verification, verify_variant
+
+log = logging.getLogger(__name__)
+
+CONVERSION_JSON = "conversion.json"
+VARIANT_JSON = "variant.json"
+TRACEBACK_LINES = 12
+
+
+def exception_reason(e: BaseException) -> str:
+    text = "".join(traceback.format_exception_only(type(e), e)).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    return first[:500]
+
+
+def traceback_tail(e: BaseException) -> list[str]:
+    lines = "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip().splitlines()
+    return lines[-TRACEBACK_LINES:]
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, allow_nan=True) + "\n")
+    os.replace(tmp, path)
+
+
+def clear_dir(path: Path, keep: tuple[str, ...] = ()) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    for p in path.iterdir():
+        if p.name in keep:
+            continue
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+def variant_json(converter: Converter, artifact: Artifact, loaded, device: str, method: str) -> dict:
+    extra_names = sorted(loaded.extra_files)
+    return {
+        "variant": converter.name, "family": converter.family, "format": artifact.format,
+        "artifact": artifact.file, "dtype": converter.dtype, "device": device,
+        "inputs": [{"name": s.name, "dtype": artifact.input_dtypes[s.name]} for s in loaded.inputs],
+        "outputs": [{"name": n} for n in loaded.outputs],
+        "task": loaded.task,
+        "files": [artifact.file, VARIANT_JSON, *extra_names],
+        "method": method,
+        **artifact.extra,
+    }
+
+
+def assemble(out_dir: Path, converter: Converter, artifact: Artifact, loaded, device: str, method: str) -> dict:
+    for name, src in loaded.extra_files.items():
+        shutil.copyfile(src, out_dir / name)
+    meta = variant_json(converter, artifact, loaded, device, method)
+    write_json(out_dir / VARIANT_JSON, meta)
+    return meta
+
+
+def base_record(variant: str, dtype: Optional[str], tol: Optional[Tolerance]) -> dict:
+    return {"variant": variant, "status": "failed", "reason": "", "conversion_s": None, "artifact_bytes": None,
+            "dtype": dtype,
+            "tolerance": ({"atol": tol.atol, "rtol": tol.rtol, "min_cosine": tol.min_cosine} if tol else None),
+            "verification": None}
+
+
+def failure_record(variant: str, dtype: Optional[str], tol: Optional[Tolerance], reason: str,
+                   tb: Optional[list[str]] = None) -> dict:
+    record = base_record(variant, dtype, tol)
+    record.update(status="failed", reason=reason)
+    if tb:
+        record["traceback"] = tb
+    return record
+
+
+def build_variant(converter: Converter, loaded, golden, out_dir: str | Path, device: str, tol: Tolerance,
+                  min_topk_agreement: float, threads: Optional[int] = None) -> dict:
+    """Convert with each method in turn until one verifies; write and return conversion.json."""
+    out_dir = Path(out_dir)
+    ctx = BuildContext(loaded=loaded, golden=golden, out_dir=out_dir, device=device)
+    attempts: list[dict] = []
+    chosen: Optional[dict] = None
+    for method in converter.methods:
+        clear_dir(out_dir)
+        attempt: dict = {"method": method}
+        attempts.append(attempt)
+        t0 = time.perf_counter()
+        try:
+            artifact = converter.build(method, ctx)
+            attempt["conversion_s"] = round(time.perf_counter() - t0, 3)
+            assemble(out_dir, converter, artifact, loaded, device, method)
+            attempt["artifact_bytes"] = (out_dir / artifact.file).stat().st_size
+            attempt["format"] = artifact.format
+        except Exception as e:
+            attempt.update(status="failed", reason=exception_reason(e), traceback=traceback_tail(e),
+                           conversion_s=round(time.perf_counter() - t0, 3))
+            log.warning("%s/%s failed: %s", converter.name, method, attempt["reason"])
+            continue
+        try:
+            v: Verification = verify_variant(out_dir, golden, tol, min_topk_agreement, device=device, threads=threads)
+        except Exception as e:   # the runtime cannot even load it
+            attempt.update(status="failed", reason="loading the built artifact failed: " + exception_reason(e),
+                           traceback=traceback_tail(e))
+            log.warning("%s/%s: %s", converter.name, method, attempt["reason"])
+            continue
+        attempt.update(status="converted" if v.passed else "rejected", reason=v.reason,
+                       verification=v.as_dict())
+        log.info("%s/%s: %s — %s", converter.name, method, attempt["status"], v.reason)
+        if v.passed:
+            chosen = attempt
+            break
+
+    record = base_record(converter.name, converter.dtype, tol)
+    if chosen is None:
+        clear_dir(out_dir)     # nothing loadable stays behind; conversion.json says why
+        rejected = [a for a in attempts if a["status"] == "rejected"]
+        status = "rejected" if rejected else "failed"
+        main = rejected[0] if rejected else attempts[0]
+        reason = " | ".join(f"{a['method']}: {a['status']}: {a['reason']}" for a in attempts)
+        record.update(status=status, reason=reason, conversion_s=main.get("conversion_s"),
+                      artifact_bytes=main.get("artifact_bytes"), verification=main.get("verification"))
+        if status == "failed":
+            record["traceback"] = main.get("traceback")
+    else:
+        record.update(status="converted", reason=chosen["reason"], conversion_s=chosen["conversion_s"],
+                      artifact_bytes=chosen["artifact_bytes"], verification=chosen["verification"],
+                      format=chosen["format"])
+    record.update(method=(chosen or {}).get("method"), device=device, options=converter.options_dict(),
+                  attempts=[{k: v for k, v in a.items() if k != "verification"} for a in attempts])
+    write_json(out_dir / CONVERSION_JSON, record)
+    return record
+
+
+# --------------------------------------------------------------------------- isolation
+def convert_isolated(variant: str, out_dir: str | Path, golden_dir: str | Path, timeout_s: float,
+                     dtype: Optional[str] = None, tol: Optional[Tolerance] = None) -> dict:
+    """Run `pipeline.variants.worker` for `variant` in a fresh process (its own process group) and
+    return its conversion.json. Timeout → the group is killed, status failed. The child inherits the
+    environment, so $PIPELINE_PARAMS selects the same params file."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / CONVERSION_JSON).unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pipeline.variants.worker", variant, "--out", str(out_dir),
+           "--golden", str(golden_dir)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        clear_dir(out_dir)
+        record = failure_record(variant, dtype, tol, f"timed out after {timeout_s:g} s "
+                                f"(conversion.timeout_s); raise it if this conversion is expected to be slow")
+        record["conversion_s"] = round(time.perf_counter() - t0, 3)
+        write_json(out_dir / CONVERSION_JSON, record)
+        return record
+    path = out_dir / CONVERSION_JSON
+    if rc != 0 or not path.is_file():
+        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+        clear_dir(out_dir)
+        record = failure_record(variant, dtype, tol, f"the conversion process died ({how}) before recording "
+                                f"a result; see its log above")
+        write_json(path, record)
+        return record
+    return json.loads(path.read_text())
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)    # the worker and anything it started (compilers)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def stage_exit_code(variant: str, status: str) -> int:
+    """Only the reference may fail the stage: every other variant's miss is a recorded result.
+    eager counts as failed unless converted — without a verified fp32 baseline nothing else is trusted."""
+    return 1 if variant == "eager" and status != "converted" else 0

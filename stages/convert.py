@@ -1,0 +1,50 @@
+"""Stage convert@<variant>: `python -m stages.convert <variant> [--out DIR] [--golden DIR]`.
+
+Builds artifacts/variants/<variant>/ (artifact, variant.json, extra files, conversion.json) in its
+own process with `conversion.timeout_s`. Exit 0 for every recorded outcome (converted, rejected,
+failed) except when `eager` — the verified reference — is not converted.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from pipeline.params import VARIANTS, load_params
+from pipeline.paths import GOLDEN_DIR, variant_dir
+
+log = logging.getLogger("stages.convert")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m stages.convert", description=__doc__.splitlines()[0])
+    ap.add_argument("variant", choices=VARIANTS)
+    ap.add_argument("--out", type=Path, help="variant folder (default artifacts/variants/<variant>)")
+    ap.add_argument("--golden", type=Path, default=GOLDEN_DIR, help="golden set folder (default artifacts/golden)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    params = load_params()
+    from pipeline.variants.base import get_converter
+    from pipeline.variants.build import convert_isolated, stage_exit_code
+    from pipeline.verify import tolerance_for
+    dtype = get_converter(args.variant).dtype
+    out = args.out or variant_dir(args.variant)
+    log.info("converting %s (timeout %s s) into %s", args.variant, params.conversion.timeout_s, out)
+    record = convert_isolated(args.variant, out, args.golden, params.conversion.timeout_s,
+                              dtype=dtype, tol=tolerance_for(params, dtype))
+    v = record.get("verification") or {}
+    figures = ", ".join(f"{o['name']}: max_abs {o['max_abs']:.3g} min_cos {o['min_cosine']:.6f}"
+                        for o in v.get("outputs", []))
+    log.info("%s: %s (%s) in %s s, %s bytes; batch sizes %s; %s. Wrote %s",
+             args.variant, record["status"], record["reason"], record.get("conversion_s"),
+             record.get("artifact_bytes"), v.get("batch_sizes"), figures or "no verification", out)
+    code = stage_exit_code(args.variant, record["status"])
+    if code:
+        log.error("the eager reference variant is %s: the pipeline cannot continue without it", record["status"])
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
