@@ -30,6 +30,8 @@ from typing import Iterable, Optional
 
 import psutil
 
+from pipeline.properties import format_properties
+
 HOST = "127.0.0.1"
 POLL_S = 0.05
 # Frontend log lines that mean the model will not become READY on this attempt.
@@ -102,11 +104,6 @@ def _torchserve_cli() -> str:
         raise TorchServeError("`torchserve` not found next to the Python interpreter or on PATH; "
                               "install the pinned requirements (`make setup`)")
     return found
-
-
-def _props_path(p: Path) -> str:
-    # Forward slashes: java.util.Properties treats a backslash as an escape.
-    return p.resolve().as_posix()
 
 
 def read_properties(path: Path) -> dict[str, str]:
@@ -256,15 +253,15 @@ class TorchServe:
             "metrics_address": f"http://{HOST}:{p.metrics}",
             "grpc_inference_port": str(p.grpc_inference),
             "grpc_management_port": str(p.grpc_management),
-            "model_store": _props_path(self.model_store),
+            "model_store": self.model_store.resolve().as_posix(),
         }
         if self.models:
             overrides["load_models"] = self.models
         overrides.update({k: str(v) for k, v in self.extra_properties.items()})
-        lines = ["", "# --- appended by pipeline.torchserve for an isolated run (a later key wins) ---"]
-        lines += [f"{k}={v}" for k, v in overrides.items()]
+        block = format_properties(overrides, ["--- appended by pipeline.torchserve for an isolated run "
+                                              "(a later duplicate key wins) ---"])
         path = self.workdir / "config.properties"
-        path.write_text(base + "\n".join(lines) + "\n")
+        path.write_text(base + "\n" + block)
         return path
 
     def start(self) -> Readiness:

@@ -1,0 +1,77 @@
+"""serve_check: prove the .mar in a real TorchServe and compare it with the naive baseline.
+
+    python -m stages.serve_check
+
+Reads artifacts/model_store/<name>.mar + artifacts/serve/config.properties, the baseline
+artifacts/baseline/{<name>.mar, config.properties} and artifacts/golden/http_cases.json; writes
+metrics/serve_check.json. Exits non-zero when the model never becomes READY, HTTP parity fails,
+a request is lost or gets a 5xx, or bad input is not rejected cleanly.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from pipeline.params import ParamsError, as_dict, load_params
+from pipeline.paths import BASELINE_DIR, GOLDEN_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR
+from pipeline.serve_check import ServerSpec, load_http_cases, serve_check, tolerance_from_mar
+
+log = logging.getLogger("stages.serve_check")
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        params = load_params()
+    except ParamsError as e:
+        log.error("%s", e)
+        return 2
+    name = params.model.name
+    mar = MODEL_STORE / f"{name}.mar"
+    config = SERVE_DIR / "config.properties"
+    for path, stage in ((mar, "archive"), (config, "configure")):
+        if not path.is_file():
+            log.error("%s is missing; run the %s stage first (dvc repro %s)", path, stage, stage)
+            return 2
+    try:
+        cases = load_http_cases(GOLDEN_DIR / "http_cases.json")
+    except (FileNotFoundError, ValueError) as e:
+        log.error("%s", e)
+        return 2
+    tol = tolerance_from_mar(mar)
+    if tol is None:
+        tol = as_dict(params.conversion.tolerances["float32"])
+        log.warning("%s has no provenance.json tolerance; using the float32 tolerance %s", mar, tol)
+    sc = params.serve_check
+    baseline = None
+    if sc.baseline:
+        if (BASELINE_DIR / f"{name}.mar").is_file():
+            baseline = ServerSpec(name, BASELINE_DIR, BASELINE_DIR / "config.properties")
+        else:
+            log.error("%s is missing; run the archive stage, or set serve_check.baseline: false",
+                      BASELINE_DIR / f"{name}.mar")
+            return 2
+    record = serve_check(ServerSpec(name, MODEL_STORE, config), baseline, cases, task=params.model.task,
+                         atol=float(tol["atol"]), rtol=float(tol["rtol"]), requests=sc.requests,
+                         concurrency=sc.concurrency, time_cap_s=sc.time_cap_s)
+    SERVE_CHECK_JSON.parent.mkdir(parents=True, exist_ok=True)
+    SERVE_CHECK_JSON.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    r = record["ratios"]
+    log.info("wrote %s: READY %.2f s, parity %s, %d/%d ok, p99 %s ms, %s req/s; ratios vs baseline: "
+             "load %s, throughput %s, p99 %s", SERVE_CHECK_JSON, record["ready_s"] or float("nan"),
+             record["parity_ok"], record["requests_ok"], record["requests_sent"], _r(record["p99_ms"]),
+             _r(record["throughput_rps"]), _r(r["load"]), _r(r["throughput"]), _r(r["p99"]))
+    if not record["ok"]:
+        for f in record["failures"]:
+            log.error("serve_check failed: %s", f)
+        return 1
+    return 0
+
+
+def _r(x):
+    return None if x is None else round(x, 3)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
