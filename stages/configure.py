@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.params import ParamsError, load_params
-from pipeline.paths import ENV_JSON, GOLDEN_DIR, MODEL_STORE, SELECTION_JSON, SERVE_DIR, benchmark_json
+from pipeline.paths import BENCHMARK_METRICS, ENV_JSON, GOLDEN_DIR, MODEL_STORE, SELECTION_JSON, SERVE_DIR
 from pipeline.properties import (ConfigWriteError, start_command, write_config_properties, write_model_config,
                                  write_start_command)
 from pipeline.serve_config import DerivationError, derivation_as_dict, derive_serve_config
@@ -47,24 +47,31 @@ def sample_elements(golden_dir: Path) -> Optional[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(SERVE_DIR), help="output folder (default: %(default)s)")
+    parser.add_argument("--selection", default=str(SELECTION_JSON), help="decision (default: %(default)s)")
+    parser.add_argument("--benchmarks-dir", default=str(BENCHMARK_METRICS),
+                        help="benchmark records (default: %(default)s)")
+    parser.add_argument("--env", default=str(ENV_JSON), help="environment fingerprint (default: %(default)s)")
+    parser.add_argument("--golden", default=str(GOLDEN_DIR), help="golden set, for sample sizes (default: %(default)s)")
+    parser.add_argument("--model-store", default=str(MODEL_STORE.resolve()),
+                        help="model store written when serve.model_store is unset (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         params = load_params()
-        selection = _read_json(SELECTION_JSON, "the select stage's decision")
+        selection = _read_json(Path(args.selection), "the select stage's decision")
         winner = selection.get("winner")
         if not winner:
-            raise ConfigureError(f"{SELECTION_JSON}: no winner — {selection.get('message')}")
-        benchmark = _read_json(benchmark_json(winner), f"the benchmark of {winner}")
-        env = _read_json(ENV_JSON, "the probe stage's environment")
+            raise ConfigureError(f"{args.selection}: no winner — {selection.get('message')}")
+        benchmark = _read_json(Path(args.benchmarks_dir) / f"{winner}.json", f"the benchmark of {winner}")
+        env = _read_json(Path(args.env), "the probe stage's environment")
         m = params.model
         task = {"kind": m.task, "input_shape": m.input_shape, "max_length": m.text.max_length}
         derivation = derive_serve_config(benchmark, env, params.serve, task=task,
-                                         sample_elements=sample_elements(GOLDEN_DIR))
+                                         sample_elements=sample_elements(Path(args.golden)))
         serve = params.serve
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        model_store = serve.model_store or str(MODEL_STORE.resolve())
+        model_store = serve.model_store or args.model_store
         source = (f"Winner: {winner} (objective {selection.get('objective')}, SLO "
                   f"{serve.latency_slo_ms:g} ms, slo_met {selection.get('slo_met')}).")
         (out / "derivation.json").write_text(json.dumps(derivation_as_dict(derivation), indent=2) + "\n")

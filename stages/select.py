@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.params import ParamsError, load_params
-from pipeline.paths import SELECTION_JSON, benchmark_json, variant_dir
+from pipeline.paths import BENCHMARK_METRICS, SELECTION_JSON, VARIANTS_DIR
 from pipeline.selection import Criteria, SelectionError, check_decision, select
 
 log = logging.getLogger("stages.select")
@@ -34,6 +34,9 @@ def _read(path: Path) -> Optional[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(SELECTION_JSON), help="decision file (default: %(default)s)")
+    parser.add_argument("--variants-dir", default=str(VARIANTS_DIR), help="conversion records (default: %(default)s)")
+    parser.add_argument("--benchmarks-dir", default=str(BENCHMARK_METRICS),
+                        help="benchmark records (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
@@ -42,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"select: error: {e}", file=sys.stderr)
         return 2
     criteria = Criteria.from_serve(params.serve)
-    conversions = {v: _read(variant_dir(v) / "conversion.json") for v in params.variants}
-    benchmarks = {v: _read(benchmark_json(v)) for v in params.variants}
+    conversions = {v: _read(Path(args.variants_dir) / v / "conversion.json") for v in params.variants}
+    benchmarks = {v: _read(Path(args.benchmarks_dir) / f"{v}.json") for v in params.variants}
     decision = select(params.variants, conversions, benchmarks, criteria)
 
     out = Path(args.out)
