@@ -11,8 +11,6 @@ import logging
 import sys
 import time
 
-from pipeline.checkpoint import CheckpointError, load_model
-from pipeline.golden import write_golden
 from pipeline.params import ParamsError, load_params
 from pipeline.paths import GOLDEN_DIR
 
@@ -26,13 +24,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         params = load_params()
+    except ParamsError as e:          # before importing torch: bad params fail in a fraction of a second
+        print(f"prepare: error: {e}", file=sys.stderr)
+        return 2
+    from pipeline.checkpoint import CheckpointError, load_model
+    from pipeline.golden import write_golden
+    try:
         t0 = time.perf_counter()
         loaded = load_model(params)
         log.info("loaded %s (%s, %s) in %.1f s: inputs %s, outputs %s", params.model.name, params.model.source,
                  params.model.task, time.perf_counter() - t0, [i.name for i in loaded.inputs], loaded.outputs)
         t1 = time.perf_counter()
         golden = write_golden(params, loaded, args.out)
-    except (ParamsError, CheckpointError) as e:
+    except (ParamsError, CheckpointError) as e:   # ParamsError: e.g. a pkg: path whose package is missing
         print(f"prepare: error: {e}", file=sys.stderr)
         return 2
     log.info("wrote %d golden batches (batch sizes %s) and %d HTTP cases to %s in %.1f s",
