@@ -47,6 +47,7 @@ class ServerSpec:
     model_store: Path
     config: Optional[Path]
     mar: Optional[str] = None           # file name in the store; default <name>.mar
+    env: Optional[dict] = None          # the start command's environment (thread counts)
 
     @property
     def models(self) -> str:
@@ -381,7 +382,8 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
                  parity: bool = True, workdir: Optional[Path] = None) -> dict:
     """Start `spec` in isolation, run every check, stop it (always). Never raises for a check that
     fails: the figures say what failed (`ready: false` + `error` when it never became READY)."""
-    ts = TorchServe(spec.config, spec.model_store, spec.name, models=spec.models, workdir=workdir)
+    ts = TorchServe(spec.config, spec.model_store, spec.name, models=spec.models, workdir=workdir,
+                    env=spec.env)
     out: dict[str, Any] = {"model": spec.name, "mar": str(spec.model_store / (spec.mar or spec.name + ".mar")),
                            "config": str(spec.config) if spec.config else None, "server_dir": str(ts.workdir)}
     try:

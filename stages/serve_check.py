@@ -52,7 +52,8 @@ def main(argv=None) -> int:
             log.error("%s is missing; run the archive stage, or set serve_check.baseline: false",
                       BASELINE_DIR / f"{name}.mar")
             return 2
-    record = serve_check(ServerSpec(name, MODEL_STORE, config), baseline, cases, task=params.model.task,
+    winner = ServerSpec(name, MODEL_STORE, config, env=start_env(SERVE_DIR, name, MODEL_STORE, config))
+    record = serve_check(winner, baseline, cases, task=params.model.task,
                          atol=float(tol["atol"]), rtol=float(tol["rtol"]), requests=sc.requests,
                          concurrency=sc.concurrency, time_cap_s=sc.time_cap_s)
     SERVE_CHECK_JSON.parent.mkdir(parents=True, exist_ok=True)
@@ -67,6 +68,20 @@ def main(argv=None) -> int:
             log.error("serve_check failed: %s", f)
         return 1
     return 0
+
+
+def start_env(serve_dir, name, store, config) -> dict:
+    """The environment of the generated start command (thread counts from model-config.yaml's
+    `handler.threads`), so the server runs as it will be deployed."""
+    import yaml
+
+    from pipeline.properties import start_command
+    path = serve_dir / "model-config.yaml"
+    cfg = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+    threads = (cfg.get("handler") or {}).get("threads")
+    if not threads:
+        return {}
+    return start_command(model_name=name, model_store=store, config_path=config, threads=int(threads))["env"]
 
 
 def _r(x):
