@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -237,11 +238,17 @@ class TextEmbeddingModel(nn.Module):
         self.encoder = encoder
         self.pooling = pooling
         self.normalize = normalize
+        # Decided once here, not per call: e.g. DistilBERT takes no token_type_ids.
+        self.pass_token_types = "token_type_ids" in inspect.signature(encoder.forward).parameters
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         # token_type_ids explicit: the encoder's own default slices a buffer by a shape-derived int.
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
-                              token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
+        if self.pass_token_types:
+            out = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                               token_type_ids=torch.zeros_like(input_ids))
+        else:
+            out = self.encoder(input_ids=input_ids, attention_mask=attention_mask)
+        hidden = out.last_hidden_state
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         if self.pooling == "cls":
             pooled = hidden[:, 0]

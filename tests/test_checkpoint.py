@@ -324,3 +324,19 @@ def test_real_efficientnet_lite0_through_example_factory():
         logits = loaded.module(x)
     assert logits.shape == (2, 1000) and torch.isfinite(logits).all()
     assert float(logits.std()) > 0.5          # trained weights, not a constant/untrained head
+
+
+def test_hf_image_classification_folder(tmp_path, make_params):
+    from transformers import ResNetConfig, ResNetForImageClassification
+    torch.manual_seed(0)
+    config = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=4)
+    ResNetForImageClassification(config).eval().save_pretrained(str(tmp_path / "resnet"))
+    loaded = load_model(make_params({"name": "r", "source": "hf", "checkpoint": str(tmp_path / "resnet"),
+                                     "task": "image-classification", "image": {"size": 32}}))
+    assert loaded.outputs == ["logits"] and loaded.task["num_classes"] == 4
+    x = torch.randn(3, 3, 32, 32)
+    with torch.inference_mode():
+        logits = loaded.module(x)
+    assert isinstance(logits, torch.Tensor) and logits.shape == (3, 4)
+    traced = torch.jit.trace(loaded.module, (x[:1],), check_trace=False)
+    torch.testing.assert_close(traced(x), logits, atol=1e-5, rtol=1e-4)
