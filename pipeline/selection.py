@@ -134,6 +134,8 @@ def evaluate(variant: str, conversion: Optional[dict], benchmark: Optional[dict]
         c.reasons.append(str(e))
         return c
 
+    # Judged at one worker (the longest batch delay); configure recomputes the delay for its worker count,
+    # which only shortens it, so a variant that fits here fits as served.
     op = choose_operating_point(curve, criteria.latency_slo_ms, objective=criteria.objective,
                                 min_gain=criteria.min_batch_gain, noise_floor=criteria.noise_floor,
                                 headroom_share=criteria.delay_headroom_share)
@@ -206,6 +208,8 @@ def select(variants: list[str], conversions: dict[str, Optional[dict]], benchmar
         msg = (f"{winner.variant}: {objective.describe}: {winner.figures['throughput_sps']:.1f} samples/s at batch "
                f"{winner.figures['batch_size']}, p99 per request {winner.figures['request_p99_ms']:.1f} ms "
                f"<= SLO {criteria.latency_slo_ms:g} ms")
+        if winner.figures.get("noisy"):
+            msg += " (its measurements are flagged noisy: CV above benchmark.max_cv after a re-measure)"
         if tie["best_by_figure"] != winner.variant:
             msg += (f"; chosen over {tie['best_by_figure']} because their figures are within measured noise "
                     f"and {winner.variant} is simpler (order {' > '.join(SIMPLICITY_ORDER)})")

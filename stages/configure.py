@@ -88,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"configure: error: {e}", file=sys.stderr)
         return 2
     log.info("winner %s on %s", winner, derivation["device"].value)
+    p99 = derivation["max_batch_delay_ms"].inputs.get("batch_p99_ms")
+    if p99 is not None and p99 + derivation["max_batch_delay_ms"].value > serve.latency_slo_ms:
+        print(f"configure: WARNING: batch p99 {p99:.1f} ms + maxBatchDelay {derivation['max_batch_delay_ms'].value} ms "
+              f"exceeds serve.latency_slo_ms {serve.latency_slo_ms:g} ms (see selection.json / the overrides)",
+              file=sys.stderr)
     for key, d in derivation.items():
         log.info("%-20s = %-10s %s%s", key, d.value, d.formula, "  [OVERRIDDEN, derived %s]" % d.derived_value
                  if d.overridden else "")
