@@ -228,3 +228,47 @@ def test_stage_fails_when_the_model_never_becomes_ready(tmp_path, monkeypatch):
     rec = json.loads(out.read_text())
     assert not rec["ok"] and not rec["ready"]
     assert "never became READY" in rec["failures"][0] and "missing_dependency_for_test" in rec["failures"][0]
+
+
+@pytest.mark.torchserve
+@needs_java
+def test_stage_end_to_end_on_real_handlers_and_archive(tmp_path, monkeypatch, tensor_params):
+    """Issue 6 Done-when 3 with the real parts: the committed tensor example archived by
+    pipeline/archive.py (handlers/ torch handler + naive baseline handler), golden cases from
+    pipeline/golden.py, config from pipeline/properties.py, checked by the stage."""
+    import stages.serve_check as stage
+    from pipeline.archive import build_archive, build_baseline
+    from pipeline.checkpoint import load_model
+    from pipeline.golden import write_golden
+    from tests.test_archive import build_stage_inputs
+
+    art = tmp_path / "artifacts"
+    inputs = build_stage_inputs(art, tensor_params)
+    store, baseline, golden = art / "model_store", art / "baseline", art / "golden"
+    build_archive(tensor_params, export_dir=store, **inputs)
+    build_baseline(tensor_params, variants_dir=inputs["variants_dir"], baseline_dir=baseline)
+    write_golden(tensor_params, load_model(tensor_params), golden)
+    derived = {**DERIVED, "max_batch_delay_ms": 5, "startup_timeout_s": 60, "response_timeout_s": 30,
+               "job_queue_size": 1000, "max_request_size": 200000, "max_request_bytes": 200000}
+    write_config_properties(inputs["serve_dir"] / "config.properties", derived, model_name="signalnet",
+                            model_store=store)
+    params = tmp_path / "params.yaml"
+    params.write_text(json.dumps({
+        "model": {"name": "signalnet", "source": "state_dict", "checkpoint": "examples/tensor/weights.safetensors",
+                  "factory": "examples/tensor/model.py:build", "task": "tensor", "input_shape": [16, 32]},
+        "serve_check": {"requests": 32, "concurrency": 4, "time_cap_s": 60}}))
+    out = tmp_path / "serve_check.json"
+    monkeypatch.setenv("PIPELINE_PARAMS", str(params))
+    for name, value in (("MODEL_STORE", store), ("SERVE_DIR", inputs["serve_dir"]), ("BASELINE_DIR", baseline),
+                        ("GOLDEN_DIR", golden), ("SERVE_CHECK_JSON", out)):
+        monkeypatch.setattr(stage, name, value)
+
+    rc = stage.main([])
+    rec = json.loads(out.read_text())
+    assert rc == 0, rec["failures"]
+    assert rec["parity_ok"] and rec["max_abs_error"] <= 1e-4
+    assert rec["requests_sent"] == rec["requests_ok"] == 32 and rec["errors_5xx"] == 0
+    assert {"wrong_shape", "wrong_dtype", "invalid_json", "empty_body", "over_size_limit"} <= set(rec["bad_inputs"])
+    assert all(400 <= s < 500 for s in rec["bad_inputs"].values()), rec["bad_inputs"]
+    assert rec["baseline"]["ready"] and rec["baseline"]["requests_ok"] == 32
+    assert all(rec["ratios"][k] > 0 for k in ("load", "throughput", "p99"))
