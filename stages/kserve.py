@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root)
     serve_dir = root / "artifacts" / "serve"
     try:
-        params = load_params(root / "params.yaml" if (root / "params.yaml").is_file() else None)
+        # --root elsewhere (tests, a copy of the outputs) reads that folder's params.yaml;
+        # otherwise the usual lookup ($PIPELINE_PARAMS, else the repo's params.yaml).
+        own = root / "params.yaml"
+        params = load_params(own if root.resolve() != REPO_ROOT and own.is_file() else None)
         name = params.model.name
         try:
             model_config = yaml.safe_load((serve_dir / "model-config.yaml").read_text()) or {}

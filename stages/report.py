@@ -27,7 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     root = Path(args.root)
     try:
-        params = load_params(root / "params.yaml" if (root / "params.yaml").is_file() else None)
+        # --root elsewhere (tests, a copy of the outputs) reads that folder's params.yaml;
+        # otherwise the usual lookup ($PIPELINE_PARAMS, else the repo's params.yaml).
+        own = root / "params.yaml"
+        params = load_params(own if root.resolve() != REPO_ROOT and own.is_file() else None)
         t0 = time.perf_counter()
         inputs = collect_inputs(root, params.model.name, params.serve.latency_slo_ms, params.variants)
         if inputs.missing:
