@@ -149,12 +149,28 @@ def inferenceservice_manifest(model_name: str, storage_uri: str, values: Serving
     return header + yaml.safe_dump(doc, sort_keys=False)
 
 
+def envelope_warnings(values: ServingValues) -> list[str]:
+    """What to tell the user about the KServe v1 envelope (TS_SERVICE_ENVELOPE=kserve).
+
+    TorchServe 0.12's KServeEnvelope reads only the FIRST request of a server-side batch (its
+    `instances` become the handler's batch) and returns one response: with batchSize > 1,
+    concurrent KServe requests batched together get a response-count mismatch (503). Under KServe,
+    batch on the client side (several `instances` per request) and serve with batchSize 1."""
+    if values.batch_size > 1:
+        return [f"batchSize is {values.batch_size}: under KServe's v1 envelope TorchServe 0.12 answers only the "
+                f"first request of a server-side batch. For KServe, build with `serve.overrides.batch_size: 1` "
+                f"(send several `instances` per request instead); the .mar's model-config.yaml batchSize wins "
+                f"over model_snapshot, so this cannot be fixed in config.properties alone."]
+    return []
+
+
 @dataclass(frozen=True)
 class KServeLayout:
     root: Path
     config_properties: Path
     mar: Path
     manifest: Path
+    warnings: tuple[str, ...] = ()
 
 
 def build_layout(model_name: str, mar: Path, model_config: dict, derivation: Optional[dict], out_dir: Path,
@@ -177,7 +193,8 @@ def build_layout(model_name: str, mar: Path, model_config: dict, derivation: Opt
     manifest = out_dir / "inferenceservice.yaml"
     manifest.write_text(inferenceservice_manifest(model_name, storage_uri or STORAGE_URI_PLACEHOLDER.format(name=model_name),
                                                   values))
-    return KServeLayout(root=out_dir, config_properties=props, mar=target, manifest=manifest)
+    return KServeLayout(root=out_dir, config_properties=props, mar=target, manifest=manifest,
+                        warnings=tuple(envelope_warnings(values)))
 
 
 def mar_model_version(mar: Path) -> Optional[str]:

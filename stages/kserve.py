@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ParamsError, KServeError) as e:
         print(f"kserve: error: {e}", file=sys.stderr)
         return 2
+    for warning in layout.warnings:
+        log.warning("%s", warning)
     log.info("wrote KServe layout in %s: %s, %s and %s", layout.root, layout.config_properties, layout.mar,
              layout.manifest)
     return 0

@@ -217,6 +217,12 @@ def test_kserve_stage_writes_the_runtime_layout(tmp_path):
     model = isvc["spec"]["predictor"]["model"]
     assert model["modelFormat"]["name"] == "pytorch" and model["storageUri"] == "s3://acme-models/tiny/v3"
     assert "stages.kserve" in r.stderr and str(k) in r.stderr
+    assert "serve.overrides.batch_size: 1" in r.stderr     # batchSize 4 under the v1 envelope: warned
+
+
+def test_no_envelope_warning_at_batch_size_one():
+    from pipeline.kserve import envelope_warnings
+    assert envelope_warnings(serving_values({**MODEL_CONFIG, "batchSize": 1}, None)) == []
 
 
 def test_kserve_stage_without_config_is_a_clear_error(tmp_path):
