@@ -381,7 +381,7 @@ def _fmt(x: Any) -> str:
         return "yes" if x else "no"
     if isinstance(x, float):
         if 0.99 <= x < 1:          # cosines / agreements: the digits that matter are the nines
-            return f"{x:.9f}".rstrip("0")
+            return f"{x:.9f}".rstrip("0").rstrip(".")
         return f"{x:.4g}"
     if isinstance(x, (dict, list)):
         return json.dumps(x, separators=(", ", ": "))
