@@ -327,7 +327,7 @@ def run_load(ts: TorchServe, cases: list[HttpCase], requests: int, concurrency: 
     capped = [False]
 
     def worker():
-        client = ts.client(timeout_s=time_cap_s)
+        client = ts.client(timeout_s=time_cap_s, retry_stale=False)
         try:
             while True:
                 with lock:
@@ -390,7 +390,8 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
         with ts:
             ready = ts.readiness
             out.update(ready=True, ready_s=ready.ready_s, all_workers_ready_s=ready.all_ready_s,
-                       worker_load_ms=ready.worker_load_ms, settings=_settings(ready.description))
+                       worker_load_ms=ready.worker_load_ms, settings=_settings(ready.description),
+                       token_authorization=ts.inference_key() is not None)
             log.info("%s READY in %.2f s (WorkerLoadTime %s ms), %d worker(s)", spec.name, ready.ready_s,
                      ready.worker_load_ms, len(ready.description.get("workers", [])))
             first = ts.predict(cases[0].body, cases[0].content_type)
@@ -459,7 +460,8 @@ def _flat(r: dict) -> dict:
         "errors_5xx": load.get("errors_5xx", 0), "p50_ms": load.get("p50_ms"), "p99_ms": load.get("p99_ms"),
         "throughput_rps": load.get("throughput_rps"), "batch_sizes_seen": load.get("batch_sizes_seen", {}),
         "bad_inputs": {c["id"]: c["status"] for c in bad.get("cases", [])},
-        "settings": r.get("settings"), "error": r.get("error"),
+        "settings": r.get("settings"), "token_authorization": r.get("token_authorization"),
+        "error": r.get("error"),
     }
 
 

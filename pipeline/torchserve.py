@@ -145,8 +145,11 @@ class Client:
     """One keep-alive HTTP connection (use one per thread). Reconnects after the server closes
     (TorchServe closes the connection after every 4xx)."""
 
-    def __init__(self, port: int, token: Optional[str], timeout_s: float = 120.0):
+    def __init__(self, port: int, token: Optional[str], timeout_s: float = 120.0, retry_stale: bool = True):
         self.port, self.token, self.timeout_s = port, token, timeout_s
+        # Resend once when a kept-alive connection turns out closed; off under load, where a
+        # dropped request must count as lost, not be silently sent again.
+        self.retry_stale = retry_stale
         self._conn: Optional[http.client.HTTPConnection] = None
 
     def request(self, method: str, path: str, body: bytes | None = None,
@@ -173,7 +176,7 @@ class Client:
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
                     http.client.BadStatusLine):
                 self.close()
-                if attempt == 0 and body is not None and len(body) < (1 << 20):
+                if attempt == 0 and self.retry_stale and (body is None or len(body) < (1 << 20)):
                     continue    # stale keep-alive connection: retry once on a fresh one
                 raise
             ms = (time.perf_counter() - t0) * 1000.0
@@ -438,9 +441,9 @@ class TorchServe:
         finally:
             c.close()
 
-    def client(self, timeout_s: float = 120.0) -> Client:
+    def client(self, timeout_s: float = 120.0, retry_stale: bool = True) -> Client:
         """A keep-alive inference client (one per thread)."""
-        return Client(self.ports.inference, self.inference_key(), timeout_s)
+        return Client(self.ports.inference, self.inference_key(), timeout_s, retry_stale)
 
     def predict(self, body: bytes, content_type: Optional[str], model: Optional[str] = None,
                 timeout_s: float = 120.0) -> Response:

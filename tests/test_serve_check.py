@@ -129,6 +129,7 @@ def test_bad_inputs_sent_with_valid_ones(served):
     assert statuses["over_size_limit"] == 413
     assert res["worker_stayed_up"] and not res["valid_alongside_failed"] and res["ok"]
     assert res["valid_alongside"] == len(bad)
+    assert res["mixed_batches"] >= 1          # a bad request shared a batch with valid ones
 
 
 @pytest.mark.torchserve
@@ -188,6 +189,7 @@ def test_stage_end_to_end_winner_vs_baseline(tmp_path, monkeypatch):
                 "bad_inputs", "baseline", "ratios"):
         assert key in rec, key
     assert rec["ok"] and rec["parity_ok"] and rec["failures"] == []
+    assert rec["token_authorization"] is True
     assert rec["requests_sent"] == rec["requests_ok"] == 40 and rec["errors_5xx"] == 0
     assert all(400 <= s < 500 for s in rec["bad_inputs"].values())
     assert rec["settings"]["batchSize"] == 4 and rec["baseline"]["settings"]["batchSize"] == 1
