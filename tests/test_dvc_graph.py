@@ -158,11 +158,16 @@ def exp_run(repo: Path, *sets: str) -> set[str]:
     return set(ran_stages(repo))
 
 
-def test_every_declared_param_is_in_params_yaml():
+PARAMS_FILES = ["params.yaml"] + sorted(str(p.relative_to(REPO_ROOT)) for p in REPO_ROOT.glob("examples/*/params.yaml"))
+
+
+@pytest.mark.parametrize("params_file", PARAMS_FILES)
+def test_every_declared_param_is_in_params_yaml(params_file):
     """DVC refuses to run a stage whose declared params key is absent from params.yaml (defaults in
-    pipeline/params.py do not count), so every declared key must be written out."""
+    pipeline/params.py do not count), so every declared key must be written out — in the examples
+    too, since the README has users copy one over params.yaml."""
     dvc_yaml = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())
-    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params = yaml.safe_load((REPO_ROOT / params_file).read_text())
     missing = []
     for name, spec in dvc_yaml["stages"].items():
         for key in _entries(spec.get("do", spec).get("params")):
@@ -174,7 +179,7 @@ def test_every_declared_param_is_in_params_yaml():
                 value = value[part]
             if not ok:
                 missing.append(f"{name}: {key}")
-    assert not missing, f"declared in dvc.yaml but missing from params.yaml (add them with their default): {missing}"
+    assert not missing, f"declared in dvc.yaml but missing from {params_file} (add them with their default): {missing}"
 
 
 def test_serve_change_reruns_only_the_serving_chain(graph_repo):
