@@ -225,11 +225,7 @@ class TorchServe:
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "TorchServe":
-        try:
-            self.start()
-        except BaseException:
-            self.stop(check=False)
-            raise
+        self.start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -271,6 +267,14 @@ class TorchServe:
         if self._started:
             raise TorchServeError("this TorchServe is already started; use a new instance")
         self._started = True
+        try:
+            self.readiness = self._start()
+        except BaseException:
+            self.stop(check=False)     # whatever went wrong (Ctrl-C included), nothing stays running
+            raise
+        return self.readiness
+
+    def _start(self) -> Readiness:
         if not self.model_store.is_dir():
             raise TorchServeError(f"model store {self.model_store} is not a directory; "
                                   f"run the archive stage first")
@@ -291,8 +295,7 @@ class TorchServe:
         if rc != 0 or self.java_pid is None:
             raise TorchServeError(f"`torchserve --start` failed (exit {rc}) in {self.workdir}:\n"
                                   f"{self._tail(self.workdir / 'torchserve.out', 30)}")
-        self.readiness = self._wait_ready(t0)
-        return self.readiness
+        return self._wait_ready(t0)
 
     def stop(self, check: bool = True, timeout_s: float = 30.0) -> None:
         """`torchserve --stop`, wait for java to exit, kill stragglers; with check, raise if any
