@@ -22,6 +22,7 @@ from pipeline.measure.cold_child import resolve_callable
 from pipeline.measure.device import serving_threads, synchronizer
 from pipeline.measure.feeds import read_variant
 from pipeline.measure.steady import StopRule, SweepPolicy, measure_latency, measure_stable, sweep
+from pipeline.params import REPO_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -182,35 +183,39 @@ def benchmark_or_record(model_dir, variant: str, settings: BenchmarkSettings, de
                               serving_threads(device, max(settings.threads, 0)))
 
 
-def _isolated_entry(conn, args):
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        conn.send(benchmark_or_record(*args))
-    finally:
-        conn.close()
-
-
 def benchmark_isolated(model_dir, variant: str, settings: BenchmarkSettings, device: str,
                        loader: str = DEFAULT_LOADER, feeds: str = DEFAULT_FEEDS) -> dict:
-    """benchmark_or_record in a fresh (spawned) process: a runtime that crashes the interpreter
-    (segfault, abort, OOM kill) becomes a `failed` record, and the steady-state peak RSS is the
-    variant's own, not this process's."""
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_isolated_entry, args=(child, (str(model_dir), variant, settings, device, loader, feeds)),
-                       name=f"benchmark-{variant}")
-    proc.start()
-    child.close()
-    record = None
-    try:
-        record = parent.recv()
-    except EOFError:
-        pass
-    proc.join()
-    if record is None:
-        code = proc.exitcode
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return outcome_record(variant, "failed", f"the benchmark process died ({how}) without a result",
-                              device, serving_threads(device, max(settings.threads, 0)))
-    return record
+    """benchmark_or_record in a fresh process (`python -m pipeline.measure.runner`): a runtime that
+    crashes the interpreter (segfault, abort, OOM kill) becomes a `failed` record, and the steady-state
+    peak RSS is the variant's own. A plain subprocess, not multiprocessing: spawn would re-import the
+    caller's __main__, which may itself be waiting on the device lock."""
+    import json
+    import subprocess
+    import tempfile
+    spec = {"model_dir": str(model_dir), "variant": variant, "settings": asdict(settings), "device": device,
+            "loader": loader, "feeds": feeds}
+    with tempfile.TemporaryDirectory(prefix="benchmark-") as tmp:
+        result = Path(tmp) / "record.json"
+        proc = subprocess.run([sys.executable, "-m", "pipeline.measure.runner", json.dumps(spec), str(result)],
+                              cwd=str(REPO_ROOT), env=thread_env(None))
+        if result.is_file():
+            return json.loads(result.read_text())
+    code = proc.returncode
+    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+    return outcome_record(variant, "failed", f"the benchmark process died ({how}) without a result",
+                          device, serving_threads(device, max(settings.threads, 0)))
+
+
+def _main(argv) -> int:
+    import json
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    spec, out = json.loads(argv[0]), Path(argv[1])
+    settings = BenchmarkSettings(**{**spec["settings"], "batch_sizes": tuple(spec["settings"]["batch_sizes"])})
+    record = benchmark_or_record(spec["model_dir"], spec["variant"], settings, spec["device"],
+                                 spec["loader"], spec["feeds"])
+    out.write_text(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
