@@ -108,6 +108,20 @@ def test_sweep_stops_when_throughput_gain_falls_under_min_gain():
     assert r.stopped_early["after_batch"] == 4 and "min_gain" in r.stopped_early["why"]
 
 
+def test_sweep_patience_survives_one_flat_point_on_a_non_monotonic_curve():
+    # throughput: 100, 166.7, 173.9 (+4 %: flat), 200 (+20 %), 195.1, 193.9 (both below the best 200)
+    table = {1: 10, 2: 12, 4: 23, 8: 40, 16: 82, 32: 165, 64: 400}
+    measure_at, measured = _sweep_table(table)
+    r = sweep(measure_at, list(table), SweepPolicy(min_gain=0.05, latency_cap_ms=1000, patience=2))
+    assert measured == [1, 2, 4, 8, 16, 32]
+    assert r.stopped_early["after_batch"] == 32 and "batch 16, 32" in r.stopped_early["why"]
+    measure_at, measured = _sweep_table(table)
+    sweep(measure_at, list(table), SweepPolicy(min_gain=0.05, latency_cap_ms=1000, patience=1))
+    assert measured == [1, 2, 4]
+    with pytest.raises(ValueError, match="sweep_patience"):
+        SweepPolicy(0.05, 1000, patience=0)
+
+
 def test_sweep_stops_when_p99_passes_the_latency_cap():
     measure_at, measured = _sweep_table({1: 10, 2: 12, 4: 20, 8: 30})
     r = sweep(measure_at, [1, 2, 4, 8], SweepPolicy(min_gain=0.0, latency_cap_ms=15))

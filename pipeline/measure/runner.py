@@ -37,6 +37,7 @@ class BenchmarkSettings:
     min_duration_s: float = 1.0
     max_cv: float = 0.15
     min_gain: float = 0.05
+    sweep_patience: int = 2
     latency_cap_ms: float = 2000.0
     text_length: int = 64
     tensorrt: bool = False           # ONNX on CUDA: ask the loader for the TensorRT EP first
@@ -47,7 +48,8 @@ class BenchmarkSettings:
         """From pipeline.params.BenchmarkParams (already validated)."""
         return cls(batch_sizes=tuple(bp.batch_sizes), threads=bp.threads, cold_runs=bp.cold_runs,
                    warmup_iters=bp.warmup_iters, min_iters=bp.min_iters, min_duration_s=bp.min_duration_s,
-                   max_cv=bp.max_cv, min_gain=bp.min_gain, latency_cap_ms=bp.latency_cap_ms,
+                   max_cv=bp.max_cv, min_gain=bp.min_gain, sweep_patience=bp.sweep_patience,
+                   latency_cap_ms=bp.latency_cap_ms,
                    text_length=bp.text_length, tensorrt=bp.tensorrt)
 
 
@@ -108,7 +110,8 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
         log.info("%s: %s%s", variant, m.summary.render(), "  NOISY" if m.noisy else "")
 
     try:
-        result = sweep(measure_at, settings.batch_sizes, SweepPolicy(settings.min_gain, settings.latency_cap_ms),
+        policy = SweepPolicy(settings.min_gain, settings.latency_cap_ms, settings.sweep_patience)
+        result = sweep(measure_at, settings.batch_sizes, policy,
                        on_point=on_point)
     finally:
         bar.close()

@@ -72,18 +72,31 @@ def measure_stable(measure: Callable[[], LatencySummary], max_cv: float) -> Stab
 
 @dataclass(frozen=True)
 class SweepPolicy:
-    """When a bigger batch is not worth measuring any more."""
-    min_gain: float             # stop when throughput(b) / throughput(previous) - 1 < min_gain
+    """When a bigger batch is not worth measuring any more: p99 past the cap, or `patience` sizes
+    in a row that do not beat the best throughput so far by `min_gain` (the curve need not be
+    monotonic, and one noisy point must not end the sweep)."""
+    min_gain: float             # relative throughput gain over the best so far that counts as progress
     latency_cap_ms: float       # stop when p99(b) > this
+    patience: int = 1           # consecutive sizes without progress before stopping
 
-    def why_stop(self, prev: Optional[LatencySummary], cur: LatencySummary) -> Optional[str]:
+    def __post_init__(self):
+        if self.patience < 1:
+            raise ValueError(f"benchmark.sweep_patience must be >= 1, got {self.patience}")
+
+    def why_stop(self, history: Sequence[LatencySummary]) -> Optional[str]:
+        """Why to stop after the last point of `history` (points in measuring order), or None."""
+        cur = history[-1]
         if cur.p99_ms > self.latency_cap_ms:
             return f"p99 {cur.p99_ms:.1f} ms > latency_cap_ms {self.latency_cap_ms:g}"
-        if prev is not None:
-            gain = cur.throughput_sps / prev.throughput_sps - 1.0
-            if gain < self.min_gain:
-                return (f"throughput gain {gain:+.1%} over batch {prev.batch_size} "
-                        f"< min_gain {self.min_gain:.0%}")
+        if len(history) <= self.patience:
+            return None
+        best = max(h.throughput_sps for h in history[:-self.patience])
+        recent = history[-self.patience:]
+        gains = [h.throughput_sps / best - 1.0 for h in recent]
+        if all(g < self.min_gain for g in gains):
+            sizes = ", ".join(str(h.batch_size) for h in recent)
+            return (f"throughput gain {max(gains):+.1%} at most (batch {sizes}) over the best before "
+                    f"< min_gain {self.min_gain:.0%}")
         return None
 
 
@@ -106,7 +119,7 @@ def sweep(measure_at: Callable[[int], StableMeasurement], batch_sizes: Sequence[
     """Measure batch sizes in the given order until the policy says stop. Running out of memory
     at a size ends the sweep there (recorded) instead of failing the sizes already measured."""
     result = SweepResult()
-    prev: Optional[LatencySummary] = None
+    history: list[LatencySummary] = []
     sizes = list(batch_sizes)
     for i, b in enumerate(sizes):
         try:
@@ -114,14 +127,14 @@ def sweep(measure_at: Callable[[int], StableMeasurement], batch_sizes: Sequence[
         except Exception as e:
             if not _is_out_of_memory(e) or not result.points:
                 raise
-            result.stopped_early = {"after_batch": prev.batch_size,
+            result.stopped_early = {"after_batch": history[-1].batch_size,
                                     "why": f"out of memory at batch {b}: {type(e).__name__}: {str(e)[:200]}"}
             break
         result.points[b] = m
         if on_point:
             on_point(b, m)
-        why = policy.why_stop(prev, m.summary)
-        prev = m.summary
+        history.append(m.summary)
+        why = policy.why_stop(history)
         if why and i < len(sizes) - 1:
             result.stopped_early = {"after_batch": b, "why": why}
             break
