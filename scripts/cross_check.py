@@ -43,18 +43,16 @@ def independent(model_dir: str, batch_size: int, device: str, threads: int | Non
             "min_ms": min(per_call) * 1e3, "calls": repeat * number}
 
 
-def harness_figure(variant: str, batch_size: int, fresh: bool, params) -> tuple[dict, str]:
-    from pipeline.paths import benchmark_json, variant_dir
-    path = benchmark_json(variant)
+def harness_figure(variant: str, vdir: Path, path: Path, batch_size: int, fresh: bool, params) -> tuple[dict, str]:
     if not fresh and path.is_file():
         doc = json.loads(path.read_text())
         point = (doc.get("steady") or {}).get(str(batch_size))
         if doc.get("status") == "ok" and point:
-            return point, str(path.relative_to(REPO_ROOT))
+            return point, str(path)
     from pipeline.measure.runner import BenchmarkSettings, benchmark_isolated
     settings = dataclasses.replace(BenchmarkSettings.from_params(params.benchmark), batch_sizes=(batch_size,),
                                    cold_runs=1)
-    doc = benchmark_isolated(variant_dir(variant), variant, settings, _device(params))
+    doc = benchmark_isolated(vdir, variant, settings, _device(params))
     if doc["status"] != "ok":
         raise SystemExit(f"harness run of {variant} {doc['status']}: {doc['reason']}")
     return doc["steady"][str(batch_size)], "fresh harness run"
@@ -76,6 +74,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--fresh", action="store_true", help="measure the harness figure now instead of reading metrics")
     ap.add_argument("--min-run-time", type=float, default=2.0, help="seconds of timed calls for the independent figure")
+    ap.add_argument("--variant-dir", type=Path, help="variant folder (default artifacts/variants/<variant>)")
+    ap.add_argument("--metrics", type=Path, help="harness record (default metrics/benchmark/<variant>.json)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:                                               # the independent measurement's own process
@@ -86,15 +86,20 @@ def main(argv=None) -> int:
     from pipeline.measure.cold import thread_env
     from pipeline.measure.device import serving_threads
     from pipeline.params import load_params
-    from pipeline.paths import variant_dir
+    from pipeline.paths import benchmark_json, variant_dir
     params = load_params()
     device = _device(params)
     threads = serving_threads(device, params.benchmark.threads)
-    vdir = variant_dir(a.variant)
+    vdir = a.variant_dir or variant_dir(a.variant)
+    if not (vdir / "variant.json").is_file():
+        print(f"{vdir} is not a built variant folder; run `dvc repro convert@{a.variant}` or pass --variant-dir",
+              file=sys.stderr)
+        return 2
     task = json.loads((vdir / "variant.json").read_text()).get("task", {})
     seq_len = params.benchmark.text_length if task.get("kind") == "text-embedding" else None
 
-    harness, source = harness_figure(a.variant, a.batch_size, a.fresh, params)
+    harness, source = harness_figure(a.variant, vdir, a.metrics or benchmark_json(a.variant), a.batch_size,
+                                     a.fresh, params)
     spec = {"model_dir": str(vdir), "batch_size": a.batch_size, "device": device, "threads": threads,
             "seq_len": seq_len, "min_run_time": a.min_run_time}
     proc = subprocess.run([sys.executable, __file__, a.variant, "--child", json.dumps(spec)], cwd=REPO_ROOT,
