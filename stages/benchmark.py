@@ -2,8 +2,8 @@
 
     python -m stages.benchmark <variant>
 
-Writes metrics/benchmark/<variant>.json, artifacts/plots/curve/<variant>.json and
-artifacts/plots/load/<variant>.json — always, exit 0: a variant that was not converted is
+Writes metrics/benchmark/<variant>.json and artifacts/plots/{curve,throughput,load}/<variant>.json
+— always, exit 0: a variant that was not converted is
 `skipped`, a benchmark that crashes is `failed`, each with the reason. Holds the device lock for
 the whole measurement so parallel experiments never share the device.
 """
@@ -20,7 +20,8 @@ from typing import Optional
 from pipeline.measure.cold import DEFAULT_FEEDS, DEFAULT_LOADER
 from pipeline.measure.device import DeviceError, resolve_device
 from pipeline.measure.lock import DeviceBusyError, device_lock
-from pipeline.measure.runner import BenchmarkSettings, benchmark_isolated, curve_rows, load_rows, outcome_record
+from pipeline.measure.runner import BenchmarkSettings, benchmark_isolated, curve_rows, load_rows, outcome_record,
+                                     throughput_rows
 from pipeline.params import ParamsError, load_params
 from pipeline.paths import BENCHMARK_METRICS, BENCHMARK_PLOTS, ENV_JSON, VARIANTS_DIR
 
@@ -61,6 +62,7 @@ def run(variant: str, params, *, variants_dir: Path = VARIANTS_DIR, metrics_dir:
         log.warning("%s: %s — %s", variant, record["status"], record["reason"])
     _write_json(metrics_dir / f"{variant}.json", record)
     _write_json(plots_dir / "curve" / f"{variant}.json", curve_rows(record))
+    _write_json(plots_dir / "throughput" / f"{variant}.json", throughput_rows(record))
     _write_json(plots_dir / "load" / f"{variant}.json", load_rows(record))
     log.info("wrote %s and plot data under %s", metrics_dir / f"{variant}.json", plots_dir)
     return record

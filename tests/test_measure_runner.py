@@ -213,6 +213,7 @@ def test_stage_writes_all_three_files_even_when_one_variant_fails(tiny, tmp_path
         assert doc["status"] == status and doc["variant"] == v
         assert isinstance(json.loads((tmp_path / "plots" / "curve" / f"{v}.json").read_text()), list)
         assert isinstance(json.loads((tmp_path / "plots" / "load" / f"{v}.json").read_text()), list)
+        assert isinstance(json.loads((tmp_path / "plots" / "throughput" / f"{v}.json").read_text()), list)
     curve = json.loads((tmp_path / "plots" / "curve" / "torchscript.json").read_text())
     assert [row["batch_size"] for row in curve] == [1, 2]
     assert set(curve[0]) == {"variant", "batch_size", "p50_ms", "p99_ms", "throughput_sps"}

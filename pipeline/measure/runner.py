@@ -145,6 +145,12 @@ def curve_rows(record: dict) -> list[dict]:
              "throughput_sps": s["throughput_sps"]} for b, s in (record.get("steady") or {}).items()]
 
 
+def throughput_rows(record: dict) -> list[dict]:
+    """Plot data: throughput vs batch size (its own folder: DVC plots one y field set per folder)."""
+    return [{"variant": r["variant"], "batch_size": r["batch_size"], "throughput_sps": r["throughput_sps"]}
+            for r in curve_rows(record)]
+
+
 def load_rows(record: dict) -> list[dict]:
     """Plot data: cold-load breakdown (median per phase) with the raw-read floor."""
     cold = record.get("cold_load")
