@@ -3,8 +3,7 @@
     python -m stages.benchmark <variant>
 
 Writes metrics/benchmark/<variant>.json and artifacts/plots/{curve,throughput,load}/<variant>.json
-— always, exit 0: a variant that was not converted is
-`skipped`, a benchmark that crashes is `failed`, each with the reason. Holds the device lock for
+— always, exit 0: a variant that was not converted is `skipped`, a benchmark that crashes is `failed`, each with the reason. Holds the device lock for
 the whole measurement so parallel experiments never share the device.
 """
 from __future__ import annotations
@@ -20,8 +19,8 @@ from typing import Optional
 from pipeline.measure.cold import DEFAULT_FEEDS, DEFAULT_LOADER
 from pipeline.measure.device import DeviceError, resolve_device
 from pipeline.measure.lock import DeviceBusyError, device_lock
-from pipeline.measure.runner import BenchmarkSettings, benchmark_isolated, curve_rows, load_rows, outcome_record,
-                                     throughput_rows
+from pipeline.measure.runner import (BenchmarkSettings, benchmark_isolated, curve_rows, load_rows, outcome_record,
+                                     throughput_rows)
 from pipeline.params import ParamsError, load_params
 from pipeline.paths import BENCHMARK_METRICS, BENCHMARK_PLOTS, ENV_JSON, VARIANTS_DIR
 
