@@ -97,7 +97,7 @@ class BenchmarkParams:
     max_cv: float = 0.15                       # re-measure once above this, then flag as noisy
     min_gain: float = 0.05                     # stop the sweep when throughput gains fall under this...
     sweep_patience: int = 2                    # ...for this many sizes in a row (one noisy point can't end it)
-    latency_cap_ms: float = 2000.0             # stop the sweep when p99 passes this (own key: not serve.*)
+    latency_cap_ms: float = 1000.0             # stop the sweep when p99 passes this (own key: not serve.*)
     text_length: int = 64                      # tokens per sample for text benchmarks
     tensorrt: bool = False                     # ONNX on GPU: try the TensorRT EP first
 
