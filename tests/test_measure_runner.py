@@ -149,6 +149,7 @@ def test_benchmark_variant_with_a_tiny_torch_model(tiny):
     for b, s in r["steady"].items():
         assert s["batch_size"] == int(b) and s["iters"] >= 10 and s["p50_ms"] <= s["p99_ms"]
         assert s["peak_rss_mb"] > 0 and s["peak_gpu_mb"] is None and s["noisy"] is False
+        assert 0 < s["cpu_share"] <= 1.5
     assert r["cold_load"]["runs"] == 2 and r["cold_load"]["load_floor_ratio"] > 0
     assert {row["batch_size"] for row in curve_rows(r)} == {1, 2, 4}
     phases = {row["phase"] for row in load_rows(r)}

@@ -99,10 +99,15 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
     def measure_at(batch_size: int):
         x = make_feeds(str(model_dir), batch_size, seq_len)
         gpu.start()
+        cpu0, wall0 = time.process_time(), time.monotonic()
         m = measure_stable(lambda: measure_latency(lambda: runtime.run(x), batch_size, rule, settings.warmup_iters,
                                                    sync=sync, after_call=gpu.sample if gpu.active else None),
                            settings.max_cv)
-        peaks[batch_size] = {"peak_rss_mb": memory.peak_rss_mb(), "peak_gpu_mb": gpu.peak_mb()}
+        # CPU time this process got per wall second and thread: well under 1 on CPU means other
+        # processes shared our cores during the measurement (contention no CV shows if it lasts)
+        cpu_share = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9) / (threads or 1)
+        peaks[batch_size] = {"peak_rss_mb": memory.peak_rss_mb(), "peak_gpu_mb": gpu.peak_mb(),
+                             "cpu_share": round(cpu_share, 3)}
         return m
 
     def on_point(b, m):
