@@ -212,7 +212,10 @@ class ServingHandler:
         if warmup_bs is None:
             warmup_bs = int(props.get("batch_size") or 1)
         if warmup_bs > 0:
-            self.runtime.run(self.adapter.example_feeds(warmup_bs))
+            # Twice: TorchScript's profiling executor specialises the graph on its second call.
+            feeds = self.adapter.example_feeds(warmup_bs)
+            for _ in range(2):
+                self.runtime.run(feeds)
         t_warm = time.perf_counter()
 
         phases = {f"{k}": round(v * 1000.0, 2) for k, v in (getattr(self.runtime, "load_phases", None) or {}).items()}

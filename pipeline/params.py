@@ -98,7 +98,9 @@ class BenchmarkParams:
     min_gain: float = 0.05                     # stop the sweep when throughput gains fall under this...
     sweep_patience: int = 2                    # ...for this many sizes in a row (one noisy point can't end it)
     latency_cap_ms: float = 1000.0             # stop the sweep when p99 passes this (own key: not serve.*)
-    text_length: int = 64                      # tokens per sample for text benchmarks
+    # Tokens per sample for text benchmarks: a batch is padded to its longest text, so this is the
+    # padded length of a typical batch. 24 ≈ batches of 5–15-word sentences (the serve-check load).
+    text_length: int = 24
     tensorrt: bool = False                     # ONNX on GPU: try the TensorRT EP first
 
 

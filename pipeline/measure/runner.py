@@ -39,7 +39,7 @@ class BenchmarkSettings:
     min_gain: float = 0.05
     sweep_patience: int = 2
     latency_cap_ms: float = 2000.0
-    text_length: int = 64
+    text_length: int = 24
     tensorrt: bool = False           # ONNX on CUDA: ask the loader for the TensorRT EP first
     cold_timeout_s: float = 300.0
 
