@@ -85,6 +85,57 @@ def run_reference(loaded: LoadedModel, feeds: dict[str, np.ndarray]) -> list[np.
     return [o.detach().float().cpu().numpy() for o in outs]
 
 
+class ActivationRange(torch.overrides.TorchFunctionMode):
+    """The largest |value| any op of the eager fp32 model produces over the golden set, and where.
+
+    Half precision tops out at 65504: a variant that holds such a value in fp16 overflows to inf on
+    any device that really computes in fp16, even where the build machine's runtime silently
+    upcasts (ONNX Runtime's CPU provider runs most fp16 ops in fp32). Every torch op is seen (a
+    function mode, so functional code and tensor arithmetic count, not only module outputs); module
+    hooks name the module it happened in. Checked by every fp16 variant
+    (pipeline.verify.fp16_range_violation)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.max_abs: dict[str, float] = {}
+        self._where: list[str] = []
+        self._handles = []
+        for name, m in module.named_modules():
+            self._handles.append(m.register_forward_pre_hook(self._enter(name or "<model>")))
+            self._handles.append(m.register_forward_hook(self._leave))
+
+    # Hooks must return None: a value would replace the module's input/output.
+    def _enter(self, name: str):
+        def hook(_module, _args) -> None:
+            self._where.append(name)
+        return hook
+
+    def _leave(self, _module, _args, _output) -> None:
+        if self._where:
+            self._where.pop()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                value = float(t.detach().abs().max())
+                if value >= torch.finfo(t.dtype).max / 2:
+                    continue   # a masking sentinel (attention masks filled with finfo.min), not an activation
+                key = f"{self._where[-1] if self._where else '<model>'}: {getattr(func, '__name__', str(func))}"
+                if value > self.max_abs.get(key, 0.0):
+                    self.max_abs[key] = value
+        return out
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def summary(self, top: int = 5) -> dict:
+        ranked = sorted(self.max_abs.items(), key=lambda kv: -kv[1])[:top]
+        return {"max_abs": ranked[0][1] if ranked else 0.0,
+                "top_modules": [{"module": n, "max_abs": v} for n, v in ranked]}
+
+
 def _save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """Like np.savez, but with fixed zip timestamps so identical arrays give identical bytes."""
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
@@ -131,11 +182,13 @@ def write_golden(params: Params, loaded: LoadedModel, out_dir: str | Path) -> Go
     log.info("golden set: %d batches (sizes %s), %d requests", len(plan), plan, len(requests))
 
     batches, cases, entries, cursor = [], [], [], 0
+    activations = ActivationRange(loaded.module)
     for k, size in enumerate(plan):
         chunk = requests[cursor:cursor + size]
         cursor += size
         feeds = adapter.collate([adapter.decode(body, ct) for body, ct in chunk])
-        outputs = run_reference(loaded, feeds)
+        with activations:
+            outputs = run_reference(loaded, feeds)
         file = f"batch_{k:03d}_b{size}.npz"
         arrays = {f"in.{n}": a for n, a in feeds.items()}
         arrays.update({f"out.{n}": a for n, a in zip(loaded.outputs, outputs)})
@@ -144,6 +197,7 @@ def write_golden(params: Params, loaded: LoadedModel, out_dir: str | Path) -> Go
         batches.append(GoldenBatch(file, size, feeds, outputs))
         for i, (body, ct) in enumerate(chunk):
             cases.append(_http_case(f"b{k:03d}-{i:02d}", body, ct, adapter.respond(outputs, i), out_dir))
+    activations.close()
 
     manifest = {
         "model": params.model.name,
@@ -155,6 +209,7 @@ def write_golden(params: Params, loaded: LoadedModel, out_dir: str | Path) -> Go
         "seed": params.conversion.golden_seed,
         "files": sorted(loaded.extra_files),
         "http_cases": HTTP_CASES_JSON,
+        "activation_range": activations.summary(),
     }
     _write_json(out_dir / HTTP_CASES_JSON, cases)
     _write_json(out_dir / GOLDEN_JSON, manifest)

@@ -178,5 +178,23 @@ def verify_variant(model_dir: str | Path, golden, tol: Tolerance, min_topk_agree
     return v
 
 
+FP16_MAX = 65504.0
+
+
+def fp16_range_violation(dtype: str, golden) -> Optional[str]:
+    """Why a float16 variant cannot be trusted, from the reference activations' range; None if it can.
+    Checked before building: an overflow is a property of the model, whatever a runtime does with it."""
+    if dtype != "float16":
+        return None
+    summary = (getattr(golden, "manifest", None) or {}).get("activation_range") or {}
+    over = [m for m in summary.get("top_modules", []) if m["max_abs"] > FP16_MAX]
+    if not over:
+        return None
+    worst = over[0]
+    return (f"activations overflow float16: `{worst['module']}` (module: op) of the fp32 reference reaches "
+            f"|x| = {worst['max_abs']:.4g} on the golden set, above the fp16 maximum {FP16_MAX:.0f} "
+            f"({len(over)} of the largest modules are over); use bf16 or fp32 for this model")
+
+
 def tolerance_for(params, dtype: str) -> Tolerance:
     return params.conversion.tolerances[dtype]

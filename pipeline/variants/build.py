@@ -26,7 +26,7 @@ from typing import Optional
 
 from pipeline.params import REPO_ROOT, Tolerance
 from pipeline.variants.base import Artifact, BuildContext, Converter
-from pipeline.verify import Verification, verify_variant
+from pipeline.verify import Verification, fp16_range_violation, verify_variant
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,11 @@ def build_variant(converter: Converter, loaded, golden, out_dir: str | Path, dev
     ctx = BuildContext(loaded=loaded, golden=golden, out_dir=out_dir, device=device)
     attempts: list[dict] = []
     chosen: Optional[dict] = None
-    for method in converter.methods:
+    overflow = fp16_range_violation(converter.dtype, golden)
+    if overflow:
+        attempts.append({"method": "range-check", "status": "rejected", "reason": overflow})
+        log.info("%s: rejected before building — %s", converter.name, overflow)
+    for method in converter.methods if not overflow else ():
         clear_dir(out_dir)
         attempt: dict = {"method": method}
         attempts.append(attempt)
