@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -45,12 +47,20 @@ def cold_start_once(model_dir, loader: str = DEFAULT_LOADER, feeds: str = DEFAUL
         cmd += ["--seq-len", str(seq_len)]
     if tensorrt:
         cmd += ["--tensorrt"]
+    # Cold means no compile caches either: each run gets an empty TMPDIR and inductor cache, as a
+    # TorchServe worker on a fresh host (or with its own TEMP) has. AOTInductor compiles CPU probes
+    # at load (~10 s) — a cost the startupTimeout must cover.
+    scratch = tempfile.mkdtemp(prefix="cold-load-")
+    env = thread_env(threads)
+    env.update(TMPDIR=scratch, TEMP=scratch, TMP=scratch, TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"))
     spawned_at = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                              cwd=str(REPO_ROOT), env=thread_env(threads))
+                              cwd=str(REPO_ROOT), env=env)
     except subprocess.TimeoutExpired:
         raise ColdLoadError(f"cold start of {model_dir} took over {timeout_s:.0f} s; killed") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith(MARKER)), None)
     if proc.returncode != 0 or line is None:
         tail = (proc.stderr or proc.stdout).strip()[-1500:]
