@@ -227,7 +227,9 @@ def _batch_axis(ax, inputs: ReportInputs, benches: dict[str, dict]) -> None:
     ax.grid(alpha=0.3)
 
 
-def plot_latency(inputs: ReportInputs, path: Path) -> bool:
+def _plot_curves(inputs: ReportInputs, path: Path, metric: str, ylabel: str, title: str,
+                 slo_line: bool) -> bool:
+    """One line per benchmarked variant over batch size (the winner drawn thick)."""
     benches = _ok_benchmarks(inputs)
     if not benches:
         return False
@@ -235,35 +237,27 @@ def plot_latency(inputs: ReportInputs, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
     w = winner(inputs)
     for v, b in benches.items():
-        pts = steady_points(b, "p99_ms")
+        pts = steady_points(b, metric)
         if pts:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="o", lw=3 if v == w else 1.4, label=v + (" (winner)" if v == w else ""))
-    ax.axhline(inputs.latency_slo_ms, color="red", ls="--", lw=1.2, label=f"SLO {inputs.latency_slo_ms:g} ms")
+    if slo_line:
+        ax.axhline(inputs.latency_slo_ms, color="red", ls="--", lw=1.2, label=f"SLO {inputs.latency_slo_ms:g} ms")
     _batch_axis(ax, inputs, benches)
-    ax.set_ylabel("p99 latency per batch (ms)")
-    ax.set_title("Latency (p99) vs batch size")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_latency(inputs: ReportInputs, path: Path) -> bool:
+    return _plot_curves(inputs, path, "p99_ms", "p99 latency per batch (ms)", "Latency (p99) vs batch size",
+                        slo_line=True)
 
 
 def plot_throughput(inputs: ReportInputs, path: Path) -> bool:
-    benches = _ok_benchmarks(inputs)
-    if not benches:
-        return False
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
-    w = winner(inputs)
-    for v, b in benches.items():
-        pts = steady_points(b, "throughput_sps")
-        if pts:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", lw=3 if v == w else 1.4, label=v + (" (winner)" if v == w else ""))
-    _batch_axis(ax, inputs, benches)
-    ax.set_ylabel("throughput (samples/s)")
-    ax.set_title("Throughput vs batch size")
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _plot_curves(inputs, path, "throughput_sps", "throughput (samples/s)", "Throughput vs batch size",
+                        slo_line=False)
 
 
 def plot_cold_load(inputs: ReportInputs, path: Path) -> bool:

@@ -79,9 +79,8 @@ def test_gpu_memory_tracker_without_any_gpu_reports_zero_not_a_guess(monkeypatch
     assert t.peak_mb() == 0.0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 def test_gpu_memory_tracker_on_a_real_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU on this machine")
     t = GpuMemoryTracker("cuda")
     t.start()
     x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
