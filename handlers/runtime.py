@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import json
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Optional
 
@@ -28,7 +29,7 @@ class RuntimeLoadError(RuntimeError):
     """The variant folder cannot be loaded as asked; the message says what is wrong and the fix."""
 
 
-class Runtime:
+class Runtime(ABC):
     """What every family provides. Subclasses fill the attributes and implement `_run`."""
 
     def __init__(self, variant: dict, model_dir: Path, device: str, threads: Optional[int]):
@@ -52,8 +53,9 @@ class Runtime:
         outputs = self._run(self.prepare_feeds(feeds))
         return [np.asarray(o, dtype=np.float32) for o in outputs]
 
-    def _run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def _run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Run prepared inputs (in `input_names` order) → the outputs, any float dtype."""
 
     def close(self) -> None:
         """Drop the model so its memory can go; the runtime is unusable afterwards."""

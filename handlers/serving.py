@@ -25,6 +25,7 @@ import logging
 import os
 import time
 import weakref
+from abc import ABC, abstractmethod
 from typing import Any
 
 from handlers.runtime import RuntimeLoadError, load_runtime
@@ -164,7 +165,7 @@ def _set_json(context: Any, idx: int) -> None:
 
 
 # --------------------------------------------------------------------------- the handler
-class ServingHandler:
+class ServingHandler(ABC):
     """Base of the per-family TorchServe handlers. Subclasses set `family` ("torch" | "onnx")."""
 
     family: str = ""
@@ -232,9 +233,9 @@ class ServingHandler:
                  " ".join(f"{k}={v}ms" for k, v in phases.items()))
         self.initialized = True
 
+    @abstractmethod
     def select_gpu(self, gpu_id: int) -> None:
         """Make `gpu_id` the device that 'cuda' means for this worker's runtime (per family)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ handle
     def handle(self, data: list | None, context: Any) -> list | None:

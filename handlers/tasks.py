@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import json
 import random
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def _text_of(body: Any) -> str:
     raise RequestError(400, f"request body of type {type(body).__name__} is not text")
 
 
-class TaskAdapter:
+class TaskAdapter(ABC):
     kind = ""
 
     def __init__(self, model_dir: str | Path, task: dict):
@@ -102,25 +103,30 @@ class TaskAdapter:
         self._check_size(body)
         return self._decode(body, _media_type(content_type))
 
+    @abstractmethod
     def usage(self) -> str:
-        raise NotImplementedError
+        """How a valid request looks (appended to every 4xx message)."""
 
+    @abstractmethod
     def _decode(self, body: Any, media: str) -> dict[str, np.ndarray]:
-        raise NotImplementedError
+        """One non-empty, size-checked body → that sample's feeds; RequestError when invalid."""
 
     def collate(self, samples: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         if not samples:
             raise ValueError("collate needs at least one sample")
         return {name: np.stack([s[name] for s in samples]) for name in samples[0]}
 
+    @abstractmethod
     def respond(self, outputs: list[np.ndarray], i: int) -> Any:
-        raise NotImplementedError
+        """Sample `i`'s JSON-able response from the batch outputs."""
 
+    @abstractmethod
     def example_feeds(self, batch_size: int, seq_len: int | None = None) -> dict[str, np.ndarray]:
-        raise NotImplementedError
+        """Deterministic synthetic feeds (warm-up, benchmarks)."""
 
+    @abstractmethod
     def example_requests(self, n: int, seed: int = 0) -> list[tuple[bytes, str]]:
-        raise NotImplementedError
+        """`n` deterministic valid (body, content type) requests (golden set, HTTP parity)."""
 
 
 # --------------------------------------------------------------------------- text-embedding

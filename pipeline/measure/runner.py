@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
@@ -38,7 +38,7 @@ class BenchmarkSettings:
     max_cv: float = 0.15
     min_gain: float = 0.05
     sweep_patience: int = 2
-    latency_cap_ms: float = 2000.0
+    latency_cap_ms: float = 1000.0
     text_length: int = 24
     tensorrt: bool = False           # ONNX on CUDA: ask the loader for the TensorRT EP first
     cold_timeout_s: float = 300.0
@@ -46,11 +46,8 @@ class BenchmarkSettings:
     @classmethod
     def from_params(cls, bp) -> "BenchmarkSettings":
         """From pipeline.params.BenchmarkParams (already validated)."""
-        return cls(batch_sizes=tuple(bp.batch_sizes), threads=bp.threads, cold_runs=bp.cold_runs,
-                   warmup_iters=bp.warmup_iters, min_iters=bp.min_iters, min_duration_s=bp.min_duration_s,
-                   max_cv=bp.max_cv, min_gain=bp.min_gain, sweep_patience=bp.sweep_patience,
-                   latency_cap_ms=bp.latency_cap_ms,
-                   text_length=bp.text_length, tensorrt=bp.tensorrt)
+        shared = {f.name: getattr(bp, f.name) for f in fields(cls) if hasattr(bp, f.name)}
+        return cls(**{**shared, "batch_sizes": tuple(bp.batch_sizes)})
 
 
 def outcome_record(variant: str, status: str, reason: Optional[str], device: str,
