@@ -90,11 +90,19 @@ class BenchmarkParams:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     threads: int = 0                           # intra-op threads; 0 → what one serving worker gets
-    cold_runs: int = 5                         # fresh processes per variant
-    warmup_iters: int = 5
-    min_iters: int = 20
-    min_duration_s: float = 1.0
-    max_cv: float = 0.15                       # re-measure once above this, then flag as noisy
+    cold_runs: int = 5                         # fresh processes per variant (at least steady_runs)
+    # Steady state is measured in this many of those processes, spread over the benchmark: a figure
+    # from one process carries that process's luck (memory placement, allocator, host load).
+    steady_runs: int = 3
+    # Later rounds visit their sizes round-robin in this many short windows, so every size's samples
+    # span the round: host noise that comes and goes over seconds weighs on all sizes alike.
+    interleave_passes: int = 4
+    warmup_iters: int = 5                      # per batch size and round...
+    warmup_max_s: float = 1.0                  # ...cut short after this (at least 2 calls)
+    min_iters: int = 10                        # per batch size and round: BOTH this many calls...
+    min_duration_s: float = 0.5                # ...AND this long
+    max_cv: float = 0.15                       # re-measure once above this, then flag as noisy; also
+                                               # flags a point whose rounds' p50s spread more than this
     min_gain: float = 0.05                     # stop the sweep when throughput gains fall under this...
     sweep_patience: int = 2                    # ...for this many sizes in a row (one noisy point can't end it)
     latency_cap_ms: float = 1000.0             # stop the sweep when p99 passes this (own key: not serve.*)
@@ -297,6 +305,21 @@ def _check_semantics(p: Params) -> None:
         raise _bad("benchmark.batch_sizes", p.benchmark.batch_sizes, "a non-empty list of positive integers")
     if sorted(set(p.benchmark.batch_sizes)) != p.benchmark.batch_sizes:
         raise _bad("benchmark.batch_sizes", p.benchmark.batch_sizes, "strictly increasing sizes")
+    b = p.benchmark
+    for key, value, ok, allowed in (
+            ("cold_runs", b.cold_runs, b.cold_runs >= 1, "an integer >= 1"),
+            ("steady_runs", b.steady_runs, b.steady_runs >= 1, "an integer >= 1 (3 or more to see cross-process noise)"),
+            ("interleave_passes", b.interleave_passes, b.interleave_passes >= 1, "an integer >= 1"),
+            ("warmup_iters", b.warmup_iters, b.warmup_iters >= 0, "an integer >= 0"),
+            ("warmup_max_s", b.warmup_max_s, b.warmup_max_s >= 0, "seconds >= 0"),
+            ("min_iters", b.min_iters, b.min_iters >= 1, "an integer >= 1"),
+            ("min_duration_s", b.min_duration_s, b.min_duration_s >= 0, "seconds >= 0"),
+            ("max_cv", b.max_cv, b.max_cv > 0, "a positive ratio, e.g. 0.15"),
+            ("sweep_patience", b.sweep_patience, b.sweep_patience >= 1, "an integer >= 1"),
+            ("latency_cap_ms", b.latency_cap_ms, b.latency_cap_ms > 0, "a positive number of milliseconds"),
+            ("text_length", b.text_length, b.text_length >= 1, "a positive number of tokens")):
+        if not ok:
+            raise _bad(f"benchmark.{key}", value, allowed)
     for dtype in ("float32", "float16", "bfloat16"):
         if dtype not in p.conversion.tolerances:
             raise _bad("conversion.tolerances", sorted(p.conversion.tolerances), "float32, float16 and bfloat16 all present")

@@ -73,8 +73,8 @@ class Objective:
     describe: str
 
 
-def _cv_noise(a: Candidate, b: Candidate) -> float:
-    return math.hypot(a.figures.get("cv") or 0.0, b.figures.get("cv") or 0.0)
+def _steady_noise(a: Candidate, b: Candidate) -> float:
+    return math.hypot(a.figures.get("noise") or 0.0, b.figures.get("noise") or 0.0)
 
 
 def _cold_spread(c: Candidate) -> float:
@@ -83,9 +83,9 @@ def _cold_spread(c: Candidate) -> float:
 
 
 OBJECTIVES: dict[str, Objective] = {
-    "throughput": Objective("throughput", lambda c: c.figures["throughput_sps"], _cv_noise,
+    "throughput": Objective("throughput", lambda c: c.figures["throughput_sps"], _steady_noise,
                             "highest throughput at the served batch within the SLO"),
-    "latency": Objective("latency", lambda c: -c.figures["request_p99_ms"], _cv_noise,
+    "latency": Objective("latency", lambda c: -c.figures["request_p99_ms"], _steady_noise,
                          "lowest p99 per request"),
     "cold_load": Objective("cold_load", lambda c: -c.figures["cold_load_median_ms"],
                            lambda a, b: math.hypot(_cold_spread(a), _cold_spread(b)),
@@ -147,7 +147,8 @@ def evaluate(variant: str, conversion: Optional[dict], benchmark: Optional[dict]
     c.figures.update({
         "device": device, "threads": benchmark.get("threads"), "artifact_bytes": benchmark.get("artifact_bytes"),
         "batch_size": op.batch_size, "max_batch_delay_ms": op.delay_ms, "batch_p99_ms": op.batch_p99_ms,
-        "request_p99_ms": op.request_p99_ms, "throughput_sps": op.throughput_sps, "cv": op.cv,
+        "request_p99_ms": op.request_p99_ms, "throughput_sps": op.throughput_sps,
+        "cv": point.cv, "spread": point.spread, "noise": op.noise,
         "noisy": bool(benchmark.get("noisy") or point.noisy),
         "worker_memory_mb": mem, "memory_kind": mem_kind,
         "cold_load_median_ms": cold_med, "cold_load_max_ms": cold_max,

@@ -35,10 +35,17 @@ class CurvePoint:
     p50_ms: float
     p99_ms: float
     throughput_sps: float
-    cv: float = 0.0
+    cv: float = 0.0                 # per-call coefficient of variation
     peak_rss_mb: Optional[float] = None
     peak_gpu_mb: Optional[float] = None
     noisy: bool = False
+    spread: float = 0.0             # how far the p50s of the rounds (fresh processes) disagree
+
+    @property
+    def noise(self) -> float:
+        """The relative uncertainty of this point's figures: per-call CV or cross-process spread,
+        whichever is larger."""
+        return max(self.cv, self.spread)
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,7 @@ class OperatingPoint:
     batch_p99_ms: float
     request_p99_ms: float           # batch p99 + the batch delay a request may wait
     throughput_sps: float
-    cv: float
+    noise: float                    # the served point's CurvePoint.noise
     fits_slo: bool
     steps: list = field(default_factory=list)   # why this batch: one line per measured batch
 
@@ -85,7 +92,7 @@ def curve_from_benchmark(benchmark: dict) -> list[CurvePoint]:
                 p50_ms=float(m["p50_ms"]), p99_ms=float(m["p99_ms"]),
                 throughput_sps=float(m["throughput_sps"]), cv=float(m.get("cv") or 0.0),
                 peak_rss_mb=m.get("peak_rss_mb"), peak_gpu_mb=m.get("peak_gpu_mb"),
-                noisy=bool(m.get("noisy", False))))
+                noisy=bool(m.get("noisy", False)), spread=float(m.get("spread") or 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise DerivationError(
                 f"benchmark of {benchmark.get('variant')!r}: steady[{key!r}] lacks a usable {e}; "
@@ -100,10 +107,11 @@ def curve_from_benchmark(benchmark: dict) -> list[CurvePoint]:
 def noise_between(a: CurvePoint, b: CurvePoint, floor: float) -> float:
     """Relative difference two throughput figures must exceed to count as real.
 
-    The per-iteration CV is taken as the run-to-run uncertainty of a figure: on shared machines
-    repeated runs drift by about that much (whole-run means differ by more than their standard
-    error suggests), so this is deliberately conservative. Independent errors add in quadrature."""
-    return max(floor, math.hypot(a.cv, b.cv))
+    Each point's noise is its per-call CV or the spread of its rounds' p50s across fresh
+    processes, whichever is larger: on shared machines repeated runs drift by about that much
+    (whole-run means differ by more than their standard error suggests), so this is deliberately
+    conservative. Independent errors add in quadrature."""
+    return max(floor, math.hypot(a.noise, b.noise))
 
 
 def batch_delay_ms(point: CurvePoint, slo_ms: float, headroom_share: float, workers: int = 1) -> tuple[int, dict]:
@@ -145,13 +153,13 @@ def choose_operating_point(curve: list[CurvePoint], slo_ms: float, *, objective:
     if not fitting:
         best = min(curve, key=lambda p: p.p99_ms)
         return OperatingPoint(best.batch_size, 1, best.p99_ms, best.p99_ms + 1, best.throughput_sps,
-                              best.cv, False, steps + [f"no batch fits: lowest p99 is batch {best.batch_size}"])
+                              best.noise, False, steps + [f"no batch fits: lowest p99 is batch {best.batch_size}"])
     if objective == "latency":
         chosen = fitting[0]
         d = 1
         steps.append(f"objective latency: smallest batch {chosen.batch_size}, no wait")
         return OperatingPoint(chosen.batch_size, d, chosen.p99_ms, chosen.p99_ms + d, chosen.throughput_sps,
-                              chosen.cv, True, steps)
+                              chosen.noise, True, steps)
     chosen = fitting[0]
     steps.append(f"batch {chosen.batch_size}: fits, {chosen.throughput_sps:.1f} samples/s (start)")
     for p in fitting[1:]:
@@ -163,7 +171,7 @@ def choose_operating_point(curve: list[CurvePoint], slo_ms: float, *, objective:
         else:
             steps.append(f"batch {p.batch_size}: {gain:+.1%} over batch {chosen.batch_size} <= {need:.1%}: not worth it")
     d, req = point_at(chosen)
-    return OperatingPoint(chosen.batch_size, d, chosen.p99_ms, req, chosen.throughput_sps, chosen.cv, True, steps)
+    return OperatingPoint(chosen.batch_size, d, chosen.p99_ms, req, chosen.throughput_sps, chosen.noise, True, steps)
 
 
 def cold_load_ms(benchmark: dict) -> tuple[float, float]:
@@ -257,7 +265,8 @@ def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optiona
         "largest measured batch with p99 + delay <= SLO whose throughput beats the current choice by "
         "more than max(min_batch_gain, noise); objective latency: smallest batch",
         {"slo_ms": slo, "objective": s.get("objective"), "fits_slo": op.fits_slo, "steps": op.steps,
-         "curve": {p.batch_size: {"p99_ms": p.p99_ms, "throughput_sps": p.throughput_sps, "cv": p.cv}
+         "curve": {p.batch_size: {"p99_ms": p.p99_ms, "throughput_sps": p.throughput_sps, "cv": p.cv,
+                                   "spread": p.spread}
                    for p in curve}})).value
     point = _point_for(batch, curve)
     rss_mb, gpu_mb = worker_memory_mb(benchmark, by_batch.get(batch) or point)

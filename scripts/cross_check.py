@@ -49,10 +49,10 @@ def harness_figure(variant: str, vdir: Path, path: Path, batch_size: int, fresh:
         point = (doc.get("steady") or {}).get(str(batch_size))
         if doc.get("status") == "ok" and point:
             return point, str(path)
-    from pipeline.measure.runner import BenchmarkSettings, benchmark_isolated
+    from pipeline.measure.runner import BenchmarkSettings, benchmark_or_record
     settings = dataclasses.replace(BenchmarkSettings.from_params(params.benchmark), batch_sizes=(batch_size,),
                                    cold_runs=1)
-    doc = benchmark_isolated(vdir, variant, settings, _device(params))
+    doc = benchmark_or_record(vdir, variant, settings, _device(params))
     if doc["status"] != "ok":
         raise SystemExit(f"harness run of {variant} {doc['status']}: {doc['reason']}")
     return doc["steady"][str(batch_size)], "fresh harness run"

@@ -19,7 +19,7 @@ from typing import Optional
 from pipeline.measure.cold import DEFAULT_FEEDS, DEFAULT_LOADER
 from pipeline.measure.device import DeviceError, resolve_device
 from pipeline.measure.lock import DeviceBusyError, device_lock
-from pipeline.measure.runner import (BenchmarkSettings, benchmark_isolated, curve_rows, load_rows, outcome_record,
+from pipeline.measure.runner import (BenchmarkSettings, benchmark_or_record, curve_rows, load_rows, outcome_record,
                                      throughput_rows)
 from pipeline.params import ParamsError, load_params
 from pipeline.paths import BENCHMARK_METRICS, BENCHMARK_PLOTS, ENV_JSON, VARIANTS_DIR
@@ -53,7 +53,7 @@ def run(variant: str, params, *, variants_dir: Path = VARIANTS_DIR, metrics_dir:
             if waited > 1:
                 log.info("waited %.1f s for the %s device lock", waited, device)
             t0 = time.monotonic()
-            record = benchmark_isolated(variants_dir / variant, variant, settings, device, loader, feeds)
+            record = benchmark_or_record(variants_dir / variant, variant, settings, device, loader, feeds)
             log.info("%s: %s in %.1f s", variant, record["status"], time.monotonic() - t0)
     except (DeviceError, DeviceBusyError) as e:
         record = outcome_record(variant, "failed", str(e), device, None)

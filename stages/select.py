@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     for v, rec in decision["variants"].items():
         f = rec["figures"]
         figs = (f"batch {f['batch_size']}, p99/request {f['request_p99_ms']:.1f} ms, {f['throughput_sps']:.1f} "
-                f"samples/s, cv {f['cv']:.3f}, {f['worker_memory_mb'] or 0:.0f} MB, cold {f['cold_load_median_ms']:.0f} ms"
+                f"samples/s, noise {f['noise']:.3f}, {f['worker_memory_mb'] or 0:.0f} MB, cold {f['cold_load_median_ms']:.0f} ms"
                 if "throughput_sps" in f else "no measurements")
         log.info("%-10s %-8s %s%s", v, rec["status"], figs,
                  ("  — " + "; ".join(rec["reasons"])) if rec["reasons"] else "")

@@ -1,5 +1,6 @@
-"""The harness end to end on tiny variants: cold load in real fresh processes, the steady sweep,
-the benchmark stage's three outputs, and a failing / unconverted variant recorded without raising.
+"""The harness end to end on tiny variants: cold load in real fresh processes, steady-state rounds
+in several of them, the benchmark stage's outputs, and a failing / unconverted variant recorded
+without raising.
 
 Two tiny variants: a TorchScript MLP behind a loader written here (the harness is generic over
 the loader), and an ONNX MatMul loaded by the real handlers.runtime + task adapter.
@@ -12,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.measure.cold import artifact_files, cold_start_once, measure_cold_load, raw_read_seconds
-from pipeline.measure.runner import BenchmarkSettings, benchmark_isolated, benchmark_or_record, curve_rows, load_rows
+from pipeline.measure.cold import (BenchmarkChildError, artifact_files, measure_fresh_processes, raw_read_seconds,
+                                   run_fresh_process)
+from pipeline.measure.runner import (BenchmarkSettings, benchmark_or_record, combine_rounds, curve_rows, load_rows,
+                                     repeat_sizes)
 from pipeline.params import parse_params
 
 TINY_LOADER = textwrap.dedent('''
@@ -107,12 +110,14 @@ def tiny_onnx(tmp_path_factory):
     return folder
 
 
-FAST = BenchmarkSettings(batch_sizes=(1, 2, 4), cold_runs=2, warmup_iters=2, min_iters=10, min_duration_s=0.05,
-                         max_cv=10.0, min_gain=-1.0, latency_cap_ms=10_000)
+FAST = BenchmarkSettings(batch_sizes=(1, 2, 4), cold_runs=3, steady_runs=2, warmup_iters=2, min_iters=10,
+                         min_duration_s=0.05, max_cv=10.0, min_gain=-1.0, latency_cap_ms=10_000)
 
 
 def test_cold_start_in_a_fresh_process_times_every_phase(tiny):
-    phases = cold_start_once(tiny["dir"], tiny["loader"], tiny["feeds"], threads=1)
+    run = run_fresh_process(tiny["dir"], tiny["loader"], tiny["feeds"], threads=1)
+    phases = run.phases
+    assert run.steady is None                                   # no round asked: cold start only
     for name in ("interpreter", "import", "read", "deserialize", "to_device", "adapter", "first_call", "total"):
         assert phases[name] >= 0, name
     # a fresh process pays the torch import; this test process has torch already
@@ -123,16 +128,17 @@ def test_cold_start_in_a_fresh_process_times_every_phase(tiny):
 def test_cold_load_over_runs_with_raw_read_floor(tiny):
     files = artifact_files(tiny["dir"], json.loads((tiny["dir"] / "variant.json").read_text()))
     assert files == [tiny["dir"] / "model.pt"]
-    c = measure_cold_load(tiny["dir"], 2, files, tiny["loader"], tiny["feeds"], threads=1)
+    runs = measure_fresh_processes(tiny["dir"], 2, files, tiny["loader"], tiny["feeds"], threads=1)
+    c = runs.cold
+    assert runs.rounds == []
     assert c.runs == 2 and c.artifact_bytes == (tiny["dir"] / "model.pt").stat().st_size
     assert c.raw_read_s > 0 and c.floor_ratios()["load"] > 0
     assert c.phases["total"].max_s >= c.phases["total"].median_s
 
 
 def test_cold_load_failure_names_the_cause(tiny):
-    from pipeline.measure.cold import ColdLoadError
-    with pytest.raises(ColdLoadError, match="corrupt artifact"):
-        cold_start_once(tiny["dir"], tiny["broken"], tiny["feeds"])
+    with pytest.raises(BenchmarkChildError, match="corrupt artifact"):
+        run_fresh_process(tiny["dir"], tiny["broken"], tiny["feeds"])
 
 
 def test_raw_read_reads_every_byte(tmp_path):
@@ -147,10 +153,14 @@ def test_benchmark_variant_with_a_tiny_torch_model(tiny):
     assert r["threads"] == 1 and r["device"] == "cpu"          # threads 0 → one serving worker's share
     assert list(r["steady"]) == ["1", "2", "4"] and r["stopped_early"] is None
     for b, s in r["steady"].items():
-        assert s["batch_size"] == int(b) and s["iters"] >= 10 and s["p50_ms"] <= s["p99_ms"]
+        # two rounds (fresh processes), pooled: at least min_iters from each
+        assert s["batch_size"] == int(b) and s["rounds"] == 2 and s["iters"] >= 20
+        assert len(s["round_p50_ms"]) == 2 and s["spread"] >= 0
+        assert min(s["round_p50_ms"]) <= s["p50_ms"] * 1.001 and s["p50_ms"] <= s["p99_ms"]
         assert s["peak_rss_mb"] > 0 and s["peak_gpu_mb"] is None and s["noisy"] is False
         assert 0 < s["cpu_share"] <= 1.5
-    assert r["cold_load"]["runs"] == 2 and r["cold_load"]["load_floor_ratio"] > 0
+    # three fresh processes: all three cold starts count, two went on to steady rounds
+    assert r["cold_load"]["runs"] == 3 and r["cold_load"]["load_floor_ratio"] > 0
     assert {row["batch_size"] for row in curve_rows(r)} == {1, 2, 4}
     phases = {row["phase"] for row in load_rows(r)}
     assert {"import", "read", "deserialize", "first_call", "raw_read"} <= phases and "total" not in phases
@@ -163,8 +173,9 @@ def test_a_crashing_benchmark_is_recorded_failed_not_raised(tiny):
 
 
 def test_a_benchmark_that_kills_its_process_is_recorded_failed(tiny):
-    settings = BenchmarkSettings(batch_sizes=(1, 2), cold_runs=1, warmup_iters=1, min_iters=3, min_duration_s=0.0)
-    r = benchmark_isolated(tiny["dir"], "torchscript", settings, "cpu", tiny["segfault"], tiny["feeds"])
+    settings = BenchmarkSettings(batch_sizes=(1, 2), cold_runs=1, steady_runs=1, warmup_iters=1, min_iters=3,
+                                 min_duration_s=0.0)
+    r = benchmark_or_record(tiny["dir"], "torchscript", settings, "cpu", tiny["segfault"], tiny["feeds"])
     assert r["status"] == "failed" and "signal 11" in r["reason"]
 
 
@@ -179,7 +190,7 @@ def test_an_unconverted_variant_is_skipped_with_its_reason(tiny):
 
 def test_real_runtime_on_a_tiny_onnx_variant(tiny_onnx):
     """The default loader/feeds: handlers.runtime + handlers.tasks, as the stage runs them."""
-    settings = BenchmarkSettings(batch_sizes=(1, 8), cold_runs=1, warmup_iters=2, min_iters=10,
+    settings = BenchmarkSettings(batch_sizes=(1, 8), cold_runs=1, steady_runs=1, warmup_iters=2, min_iters=10,
                                  min_duration_s=0.05, max_cv=10.0, min_gain=-1.0, latency_cap_ms=10_000)
     r = benchmark_or_record(tiny_onnx, "onnx", settings, "cpu")
     assert r["status"] == "ok", r["reason"]
@@ -191,7 +202,7 @@ def _params(**bench):
     base = {"model": {"name": "tiny", "source": "torchscript", "checkpoint": "x.pt", "task": "tensor",
                       "input_shape": [16]},
             "variants": ["eager", "torchscript", "onnx"],
-            "benchmark": {"batch_sizes": [1, 2], "cold_runs": 1, "warmup_iters": 1, "min_iters": 5,
+            "benchmark": {"batch_sizes": [1, 2], "cold_runs": 1, "steady_runs": 1, "warmup_iters": 1, "min_iters": 5,
                           "min_duration_s": 0.02, "max_cv": 10.0, **bench}}
     return parse_params(base)
 
@@ -218,3 +229,48 @@ def test_stage_writes_all_three_files_even_when_one_variant_fails(tiny, tmp_path
     curve = json.loads((tmp_path / "plots" / "curve" / "torchscript.json").read_text())
     assert [row["batch_size"] for row in curve] == [1, 2]
     assert set(curve[0]) == {"variant", "batch_size", "p50_ms", "p99_ms", "throughput_sps"}
+
+
+def _round(points: dict, stopped_early=None) -> dict:
+    """A child's steady round, as JSON brings it back: batch → samples (s)."""
+    return {"points": {str(b): {"samples_s": xs, "noisy": False, "remeasured": False, "first_cv": 0.0,
+                                "peak_rss_mb": 100.0 + b, "peak_gpu_mb": None, "cpu_share": 0.99}
+                       for b, xs in points.items()},
+            "stopped_early": stopped_early, "peak_rss_mb": 150.0}
+
+
+def test_rounds_pool_their_samples_and_report_the_spread_of_their_p50s():
+    quiet = _round({1: [0.010] * 10, 2: [0.018] * 10})
+    same = _round({1: [0.010] * 10, 2: [0.018] * 10})
+    slow = _round({1: [0.013] * 10, 2: [0.0185] * 10})        # batch 1 30% off in this process
+    steady = combine_rounds([quiet, same, slow], max_cv=0.15)
+    b1, b2 = steady["1"], steady["2"]
+    assert b1["rounds"] == 3 and b1["iters"] == 30 and b1["round_p50_ms"] == [10.0, 10.0, 13.0]
+    assert b1["p50_ms"] == 10.0                               # one disturbed round does not move the p50
+    assert b1["spread"] == 0.3 and b1["noisy"] is True        # but the disagreement is reported and flagged
+    assert b2["spread"] == pytest.approx(0.5 / 18, abs=1e-4) and b2["noisy"] is False
+    assert b2["peak_rss_mb"] == 102.0 and b2["cpu_share"] == 0.99
+
+
+def test_later_rounds_skip_the_point_past_the_latency_cap():
+    first = _round({1: [0.1] * 10, 2: [0.2] * 10, 4: [1.5] * 10},
+                   stopped_early={"after_batch": 4, "why": "p99 1500 ms > latency_cap_ms 1000"})
+    assert repeat_sizes(first, latency_cap_ms=1000) == [1, 2]
+    steady = combine_rounds([first, _round({1: [0.1] * 10, 2: [0.2] * 10})], max_cv=0.15)
+    assert steady["4"]["rounds"] == 1 and steady["2"]["rounds"] == 2
+
+
+def test_steady_rounds_really_run_in_separate_processes(tiny):
+    """Each round reports its own process's peak RSS; the stage's rounds re-measure what round 1 kept."""
+    files = artifact_files(tiny["dir"], json.loads((tiny["dir"] / "variant.json").read_text()))
+    settings = BenchmarkSettings(batch_sizes=(1, 2), warmup_iters=1, min_iters=5, min_duration_s=0.0,
+                                 max_cv=10.0, min_gain=-1.0)
+
+    def round_for(i, done):
+        return settings.round_spec((1, 2) if i == 0 else repeat_sizes(done[0], 1e9), sweep=i == 0)
+
+    runs = measure_fresh_processes(tiny["dir"], 2, files, tiny["loader"], tiny["feeds"], threads=1,
+                                   round_for=round_for, steady_timeout_s=120)
+    assert len(runs.rounds) == 2 and runs.cold.runs == 2
+    for r in runs.rounds:
+        assert list(r["points"]) == ["1", "2"] and all(len(p["samples_s"]) >= 5 for p in r["points"].values())

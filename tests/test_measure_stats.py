@@ -81,3 +81,20 @@ def test_phase_summary():
     p = PhaseSummary.from_samples("read", [0.003, 0.001, 0.002, 0.010])
     assert p.median_s == pytest.approx(0.0025) and p.max_s == pytest.approx(0.010)
     assert p.as_dict() == {"median": 2.5, "max": 10.0}
+
+
+def test_repeated_latency_pools_rounds_and_measures_their_spread():
+    from pipeline.measure.stats import RepeatedLatency
+    a = LatencySummary.from_samples([0.010, 0.011, 0.012], 4)
+    b = LatencySummary.from_samples([0.012, 0.013], 4)
+    rep = RepeatedLatency((a, b))
+    assert rep.pooled.iters == 5 and rep.pooled.p50_s == pytest.approx(0.012)
+    assert rep.pooled.throughput_sps == pytest.approx(4 * 5 / 0.058)
+    assert rep.spread == pytest.approx((0.0125 - 0.011) / 0.01175)        # median of two p50s is their mean
+    d = rep.as_dict()
+    assert d["rounds"] == 2 and d["round_p50_ms"] == [11.0, 12.5] and d["iters"] == 5
+    assert RepeatedLatency((a,)).spread == 0.0
+    with pytest.raises(ValueError, match="different batch sizes"):
+        RepeatedLatency((a, LatencySummary.from_samples([0.01], 8)))
+    with pytest.raises(ValueError, match="no rounds"):
+        RepeatedLatency(())

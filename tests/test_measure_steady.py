@@ -152,3 +152,46 @@ def test_sweep_reraises_other_errors():
         raise ValueError("shape mismatch")
     with pytest.raises(ValueError, match="shape mismatch"):
         sweep(measure_at, [1, 2], SweepPolicy(0.05, 1000))
+
+
+def test_warm_up_is_cut_short_for_slow_calls_but_never_below_two():
+    from pipeline.measure.steady import warm_up
+    clock = FakeClock()
+    assert warm_up(clock.call(1.5), 5, max_s=1.0, clock=clock) == 2      # a 1.5-s call: two warm-ups
+    assert warm_up(clock.call(0.1), 5, max_s=1.0, clock=clock) == 5      # fast calls: all five
+    assert warm_up(clock.call(0.4), 5, max_s=1.0, clock=clock) == 3      # stops once 1 s has passed
+    assert warm_up(clock.call(0.4), 5, max_s=None, clock=clock) == 5
+    assert warm_up(clock.call(0.4), 0, max_s=1.0, clock=clock) == 0
+
+
+def test_a_sweep_without_policy_measures_every_size():
+    sizes = []
+
+    def at(b):
+        sizes.append(b)
+        return StableMeasurement(LatencySummary.from_samples([b * 1.0], b), False, False, 0.0)
+    r = sweep(at, [1, 2, 4, 8], None)
+    assert sizes == [1, 2, 4, 8] and r.stopped_early is None
+
+
+def test_interleaved_windows_visit_every_size_in_turn_and_add_up_to_the_rule():
+    from pipeline.measure.steady import measure_interleaved
+    clock = FakeClock()
+    order = []
+
+    def call(b, cost):
+        def run():
+            order.append(b)
+            clock.now += cost
+        return run
+    # min 8 calls AND 0.4 s per size, in 2 passes: each pass 4 calls and 0.2 s
+    out = measure_interleaved({1: call(1, 0.01), 4: call(4, 0.1)}, StopRule(8, 0.4), passes=2, warmup_iters=3,
+                              clock=clock)
+    assert out[1].iters == 40 and out[4].iters == 8          # 0.2 s per pass binds for the fast size
+    assert sum(out[1].samples_s) >= 0.4 and out[4].iters >= 8
+    runs = [b for i, b in enumerate(order) if i == 0 or order[i - 1] != b]
+    assert runs == [1, 4, 1, 4]                               # round-robin, not size after size
+    # warm-ups: 3 on the first visit, 1 when coming back
+    assert order.count(4) == 8 + 3 + 1 and order.count(1) == 40 + 3 + 1
+    with pytest.raises(ValueError):
+        measure_interleaved({1: call(1, 0.01)}, StopRule(1, 0.0), passes=0)

@@ -101,6 +101,8 @@ def test_cross_field_rules():
 
     assert "'eager'" in error_of(params_with(variants=["onnx"]))
     assert "increasing" in error_of(params_with(benchmark={"batch_sizes": [4, 2]}))
+    assert "`benchmark.steady_runs`" in error_of(params_with(benchmark={"steady_runs": 0}))
+    assert "`benchmark.min_iters`" in error_of(params_with(benchmark={"min_iters": 0}))
     assert "`model.factory`" in error_of(params_with(model={**MODEL, "source": "state_dict", "factory": "nocolon"}))
 
 

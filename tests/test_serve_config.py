@@ -11,7 +11,7 @@ from pipeline.serve_config import (DerivationError, choose_operating_point, curv
 
 
 def bench(curve: dict, *, variant="onnx", device="cpu", threads=1, cold=(2000.0, 2600.0), rss=400.0, gpu=None,
-          cv=0.02, artifact_bytes=90_000_000, raw_read_ms=40.0) -> dict:
+          cv=0.02, spread=0.0, artifact_bytes=90_000_000, raw_read_ms=40.0) -> dict:
     """curve: {batch: (p99_ms, throughput_sps)}."""
     return {
         "variant": variant, "status": "ok", "reason": None, "device": device, "threads": threads,
@@ -21,7 +21,7 @@ def bench(curve: dict, *, variant="onnx", device="cpu", threads=1, cold=(2000.0,
                       "raw_read_ms": raw_read_ms, "load_floor_ratio": 10.0},
         "steady": {str(b): {"batch_size": b, "p50_ms": p * 0.8, "p90_ms": p * 0.9, "p99_ms": p, "mean_ms": p * 0.8,
                             "stdev_ms": p * cv, "cv": cv, "throughput_sps": t, "iters": 50, "peak_rss_mb": rss,
-                            "peak_gpu_mb": gpu, "noisy": False} for b, (p, t) in curve.items()},
+                            "peak_gpu_mb": gpu, "noisy": False, "spread": spread} for b, (p, t) in curve.items()},
         "stopped_early": None, "peak_rss_mb": rss, "noisy": False,
     }
 
@@ -74,6 +74,9 @@ def test_noise_raises_the_bar_for_a_bigger_batch():
     noisy = derive(bench({1: (5.0, 100.0), 2: (9.0, 110.0)}, cv=0.10))
     assert quiet["batch_size"].value == 2      # +10% > 5%
     assert noisy["batch_size"].value == 1      # +10% < hypot(0.1, 0.1) = 14%
+    # rounds in fresh processes that disagree count as noise too, even with a low per-call CV
+    apart = derive(bench({1: (5.0, 100.0), 2: (9.0, 110.0)}, cv=0.01, spread=0.10))
+    assert apart["batch_size"].value == 1
 
 
 def test_slo_unreachable_takes_the_lowest_p99():

@@ -1,4 +1,5 @@
-"""Cold load: N fresh processes, each timing one start phase by phase; plus the raw-read floor."""
+"""Fresh benchmark processes: each times one cold start phase by phase and, when asked, runs a
+steady-state round (pipeline.measure.child); plus the raw-read floor of the artifact."""
 from __future__ import annotations
 
 import json
@@ -9,19 +10,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from pipeline.measure.cold_child import MARKER
+from pipeline.measure.child import MARKER
 from pipeline.measure.stats import ColdLoadSummary
+from pipeline.measure.steady import RoundSpec
 from pipeline.params import REPO_ROOT
 
 DEFAULT_LOADER = "handlers.runtime:load_runtime"
 DEFAULT_FEEDS = "pipeline.measure.feeds:example_feeds"
 
 
-class ColdLoadError(RuntimeError):
-    pass
+class BenchmarkChildError(RuntimeError):
+    """A fresh benchmark process failed, timed out or died; the message carries its stderr tail."""
 
 
 def thread_env(threads: Optional[int]) -> dict:
@@ -34,12 +37,18 @@ def thread_env(threads: Optional[int]) -> dict:
     return env
 
 
-def cold_start_once(model_dir, loader: str = DEFAULT_LOADER, feeds: str = DEFAULT_FEEDS, device: str = "cpu",
-                    threads: Optional[int] = None, seq_len: Optional[int] = None,
-                    timeout_s: float = 300.0, tensorrt: bool = False,
-                    python: str = sys.executable) -> dict[str, float]:
-    """One fresh process; phase → seconds, with `total` = spawn → first call done."""
-    cmd = [python, "-m", "pipeline.measure.cold_child", "--model-dir", str(model_dir),
+@dataclass(frozen=True)
+class FreshRun:
+    phases: dict[str, float]            # cold-start phase → seconds, with `interpreter` and `total`
+    steady: Optional[dict]              # the steady-state round (child.steady_round), when one was asked
+
+
+def run_fresh_process(model_dir, loader: str = DEFAULT_LOADER, feeds: str = DEFAULT_FEEDS, device: str = "cpu",
+                      threads: Optional[int] = None, seq_len: Optional[int] = None,
+                      timeout_s: float = 300.0, tensorrt: bool = False, steady: Optional[RoundSpec] = None,
+                      python: str = sys.executable) -> FreshRun:
+    """One fresh process: its cold start (`total` = spawn → first call done), then the steady round."""
+    cmd = [python, "-m", "pipeline.measure.child", "--model-dir", str(model_dir),
            "--loader", loader, "--feeds", feeds, "--device", device]
     if threads:
         cmd += ["--threads", str(threads)]
@@ -47,6 +56,8 @@ def cold_start_once(model_dir, loader: str = DEFAULT_LOADER, feeds: str = DEFAUL
         cmd += ["--seq-len", str(seq_len)]
     if tensorrt:
         cmd += ["--tensorrt"]
+    if steady is not None:
+        cmd += ["--steady", json.dumps(steady.as_dict())]
     # Cold means no compile caches either: each run gets an empty TMPDIR and inductor cache, as a
     # TorchServe worker on a fresh host (or with its own TEMP) has. AOTInductor compiles CPU probes
     # at load (~10 s) — a cost the startupTimeout must cover.
@@ -58,18 +69,20 @@ def cold_start_once(model_dir, loader: str = DEFAULT_LOADER, feeds: str = DEFAUL
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                               cwd=str(REPO_ROOT), env=env)
     except subprocess.TimeoutExpired:
-        raise ColdLoadError(f"cold start of {model_dir} took over {timeout_s:.0f} s; killed") from None
+        raise BenchmarkChildError(f"benchmark process for {model_dir} ran over {timeout_s:.0f} s; killed") from None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith(MARKER)), None)
     if proc.returncode != 0 or line is None:
+        code = proc.returncode
+        how = f"died (signal {-code})" if code < 0 else f"failed (exit code {code})"
         tail = (proc.stderr or proc.stdout).strip()[-1500:]
-        raise ColdLoadError(f"cold start of {model_dir} failed (exit {proc.returncode}): {tail}")
+        raise BenchmarkChildError(f"benchmark process for {model_dir} {how}: {tail}")
     result = json.loads(line[len(MARKER):])
     phases = dict(result["phases"])
     phases["interpreter"] = max(0.0, result["started_at"] - spawned_at)
     phases["total"] = result["done_at"] - spawned_at
-    return phases
+    return FreshRun(phases, result.get("steady"))
 
 
 def artifact_files(model_dir, variant: dict) -> list[Path]:
@@ -100,16 +113,31 @@ def raw_read_seconds(files: Sequence[Path], repeats: int = 3, chunk: int = 16 * 
     return statistics.median(times)
 
 
-def measure_cold_load(model_dir, runs: int, artifact_paths: Sequence[Path], loader: str = DEFAULT_LOADER,
-                      feeds: str = DEFAULT_FEEDS, device: str = "cpu", threads: Optional[int] = None,
-                      seq_len: Optional[int] = None, timeout_s: float = 300.0, tensorrt: bool = False,
-                      on_run=None) -> ColdLoadSummary:
+@dataclass(frozen=True)
+class FreshRuns:
+    cold: ColdLoadSummary
+    rounds: list[dict]                  # steady-state rounds, in the order they ran
+
+
+def measure_fresh_processes(model_dir, runs: int, artifact_paths: Sequence[Path], loader: str = DEFAULT_LOADER,
+                            feeds: str = DEFAULT_FEEDS, device: str = "cpu", threads: Optional[int] = None,
+                            seq_len: Optional[int] = None, timeout_s: float = 300.0, tensorrt: bool = False,
+                            round_for: Optional[Callable[[int, list], Optional[RoundSpec]]] = None,
+                            steady_timeout_s: float = 0.0, on_run=None) -> FreshRuns:
+    """`runs` fresh processes, each a cold start; `round_for(i, rounds_so_far)` names the
+    steady-state round process i continues with (None: cold start only), so a later round can
+    depend on what the first one found."""
     if runs < 1:
         raise ValueError(f"benchmark.cold_runs must be >= 1, got {runs}")
-    samples = []
+    samples, rounds = [], []
     for i in range(runs):
-        samples.append(cold_start_once(model_dir, loader, feeds, device, threads, seq_len, timeout_s, tensorrt))
+        spec = round_for(i, rounds) if round_for else None
+        run = run_fresh_process(model_dir, loader, feeds, device, threads, seq_len,
+                                timeout_s + (steady_timeout_s if spec else 0.0), tensorrt, spec)
+        samples.append(run.phases)
+        if run.steady is not None:
+            rounds.append(run.steady)
         if on_run:
             on_run(i)
     raw = raw_read_seconds(artifact_paths, repeats=runs)
-    return ColdLoadSummary.from_runs(samples, raw, sum(p.stat().st_size for p in artifact_paths))
+    return FreshRuns(ColdLoadSummary.from_runs(samples, raw, sum(p.stat().st_size for p in artifact_paths)), rounds)

@@ -1,7 +1,9 @@
-"""Benchmark one variant folder: cold load in fresh processes, then the steady-state batch sweep.
+"""Benchmark one variant folder: N fresh processes, each a cold start; the first `steady_runs` of
+them go on to a steady-state round — the first sweeps the batch sizes, the others re-measure the
+sizes it kept — and each point's figures pool the rounds.
 
-Generic over two callables named by spec ('pkg.module:fn' or 'file.py:fn'), the same in the
-cold-load children and in this process:
+Generic over two callables named by spec ('pkg.module:fn' or 'file.py:fn'), resolved in the
+children:
 - loader(model_dir, device=..., threads=...) -> runtime with .run(feeds), optional .load_phases / .close()
 - feeds(model_dir, batch_size, seq_len) -> feeds
 The benchmark stage uses handlers.runtime:load_runtime and the task adapters; tests use tiny models.
@@ -9,22 +11,23 @@ The benchmark stage uses handlers.runtime:load_runtime and the task adapters; te
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
-from pipeline.measure import memory
-from pipeline.measure.cold import DEFAULT_FEEDS, DEFAULT_LOADER, artifact_files, measure_cold_load, thread_env
-from pipeline.measure.cold_child import resolve_callable
-from pipeline.measure.device import serving_threads, synchronizer
+from pipeline.measure.cold import DEFAULT_FEEDS, DEFAULT_LOADER, artifact_files, measure_fresh_processes
+from pipeline.measure.device import serving_threads
 from pipeline.measure.feeds import read_variant
-from pipeline.measure.steady import StopRule, SweepPolicy, measure_latency, measure_stable, sweep
-from pipeline.params import REPO_ROOT
+from pipeline.measure.stats import LatencySummary, RepeatedLatency
+from pipeline.measure.steady import RoundSpec
 
 log = logging.getLogger(__name__)
+
+# A steady round's own time limit, on top of cold_timeout_s: the sweep's latency cap bounds it
+# long before this; the limit only catches a runtime that hangs.
+STEADY_ROUND_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -32,9 +35,12 @@ class BenchmarkSettings:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     threads: int = 0                 # 0 → what one serving worker gets (see device.serving_threads)
     cold_runs: int = 5
+    steady_runs: int = 3
+    interleave_passes: int = 4
     warmup_iters: int = 5
-    min_iters: int = 20
-    min_duration_s: float = 1.0
+    warmup_max_s: float = 1.0
+    min_iters: int = 10
+    min_duration_s: float = 0.5
     max_cv: float = 0.15
     min_gain: float = 0.05
     sweep_patience: int = 2
@@ -49,6 +55,10 @@ class BenchmarkSettings:
         shared = {f.name: getattr(bp, f.name) for f in fields(cls) if hasattr(bp, f.name)}
         return cls(**{**shared, "batch_sizes": tuple(bp.batch_sizes)})
 
+    def round_spec(self, batch_sizes, sweep: bool) -> RoundSpec:
+        return RoundSpec(tuple(batch_sizes), sweep, self.interleave_passes, self.warmup_iters, self.warmup_max_s, self.min_iters,
+                         self.min_duration_s, self.max_cv, self.min_gain, self.sweep_patience, self.latency_cap_ms)
+
 
 def outcome_record(variant: str, status: str, reason: Optional[str], device: str,
                    threads: Optional[int], artifact_bytes: Optional[int] = None) -> dict:
@@ -61,7 +71,35 @@ def outcome_record(variant: str, status: str, reason: Optional[str], device: str
 def _progress(total: int, desc: str):
     """tqdm on a terminal only; quiet in CI / dvc logs."""
     from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="step", disable=not sys.stderr.isatty(), leave=False)
+    return tqdm(total=total, desc=desc, unit="process", disable=not sys.stderr.isatty(), leave=False)
+
+
+def repeat_sizes(first_round: dict, latency_cap_ms: float) -> list[int]:
+    """The sizes later rounds re-measure: those the first round measured, except one whose p99 was
+    past the latency cap (it only shows where the curve leaves the usable range; measured once)."""
+    keep = []
+    for b, point in first_round["points"].items():
+        if LatencySummary.from_samples(point["samples_s"], int(b)).p99_ms <= latency_cap_ms:
+            keep.append(int(b))
+    return keep
+
+
+def combine_rounds(rounds: list[dict], max_cv: float) -> dict:
+    """Per batch size (the first round's sizes): the pooled figures, every round's p50 and their
+    spread, flagged noisy when a round stayed noisy or the rounds disagree by more than max_cv.
+    Peak memory comes from the sweep round: it runs the sizes in increasing order, so its peak at
+    a size is what that size (and the smaller ones) need; an interleaved round has seen them all."""
+    steady = {}
+    for key, first in rounds[0]["points"].items():
+        pts = [r["points"][key] for r in rounds if key in r["points"]]
+        rep = RepeatedLatency(tuple(LatencySummary.from_samples(p["samples_s"], int(key)) for p in pts))
+        steady[key] = {**rep.as_dict(),
+                       "noisy": any(p["noisy"] for p in pts) or rep.spread > max_cv,
+                       "remeasured": any(p["remeasured"] for p in pts),
+                       "peak_rss_mb": first["peak_rss_mb"],
+                       "peak_gpu_mb": first.get("peak_gpu_mb"),
+                       "cpu_share": min(p["cpu_share"] for p in pts)}
+    return steady
 
 
 def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, device: str,
@@ -73,68 +111,43 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
     seq_len = settings.text_length if meta.get("task", {}).get("kind") == "text-embedding" else None
     files = artifact_files(model_dir, meta)
     started = time.monotonic()
-    bar = _progress(settings.cold_runs + len(settings.batch_sizes), f"benchmark {variant}")
+    processes = max(settings.cold_runs, settings.steady_runs)   # every steady round starts as a cold run
+    bar = _progress(processes, f"benchmark {variant}")
 
-    # 1. cold load, each run in its own fresh process (threads pinned there before any import)
-    cold = measure_cold_load(model_dir, settings.cold_runs, files, loader, feeds, device, threads, seq_len,
-                             settings.cold_timeout_s, tensorrt=settings.tensorrt, on_run=lambda i: bar.update())
-    log.info("%s: %s", variant, cold.render())
+    def round_for(i: int, done: list) -> Optional[RoundSpec]:
+        if i >= settings.steady_runs:
+            return None
+        if i == 0:
+            return settings.round_spec(settings.batch_sizes, sweep=True)
+        sizes = repeat_sizes(done[0], settings.latency_cap_ms)
+        return settings.round_spec(sizes, sweep=False) if sizes else None
 
-    # 2. steady state, in this process: pin threads before the runtime imports its library
-    if threads:
-        for k, v in thread_env(threads).items():
-            if k.endswith("_NUM_THREADS"):
-                os.environ[k] = v
-    runtime = resolve_callable(loader)(str(model_dir), device=device, threads=threads,
-                                       **({"tensorrt": True} if settings.tensorrt else {}))
-    make_feeds = resolve_callable(feeds)
-    sync = synchronizer(device)
-    gpu = memory.GpuMemoryTracker(device)
-    rule = StopRule(settings.min_iters, settings.min_duration_s)
-    peaks: dict[int, dict] = {}
-
-    def measure_at(batch_size: int):
-        x = make_feeds(str(model_dir), batch_size, seq_len)
-        gpu.start()
-        cpu0, wall0 = time.process_time(), time.monotonic()
-        m = measure_stable(lambda: measure_latency(lambda: runtime.run(x), batch_size, rule, settings.warmup_iters,
-                                                   sync=sync, after_call=gpu.sample if gpu.active else None),
-                           settings.max_cv)
-        # CPU time this process got per wall second and thread: well under 1 on CPU means other
-        # processes shared our cores during the measurement (contention no CV shows if it lasts)
-        cpu_share = (time.process_time() - cpu0) / max(time.monotonic() - wall0, 1e-9) / (threads or 1)
-        peaks[batch_size] = {"peak_rss_mb": memory.peak_rss_mb(), "peak_gpu_mb": gpu.peak_mb(),
-                             "cpu_share": round(cpu_share, 3)}
-        return m
-
-    def on_point(b, m):
+    def on_run(i: int):
         bar.update()
-        log.info("%s: %s%s", variant, m.summary.render(), "  NOISY" if m.noisy else "")
 
     try:
-        policy = SweepPolicy(settings.min_gain, settings.latency_cap_ms, settings.sweep_patience)
-        result = sweep(measure_at, settings.batch_sizes, policy,
-                       on_point=on_point)
+        runs = measure_fresh_processes(model_dir, processes, files, loader, feeds, device, threads, seq_len,
+                                       settings.cold_timeout_s, settings.tensorrt, round_for=round_for,
+                                       steady_timeout_s=STEADY_ROUND_TIMEOUT_S, on_run=on_run)
     finally:
         bar.close()
-        close = getattr(runtime, "close", None)
-        if close:
-            close()
-    if result.stopped_early:
-        log.info("%s: sweep stopped after batch %s: %s", variant, result.stopped_early["after_batch"],
-                 result.stopped_early["why"])
+    log.info("%s: %s", variant, runs.cold.render())
+    steady = combine_rounds(runs.rounds, settings.max_cv)
+    for key, point in steady.items():
+        log.info("%s: batch %s: p50 %.2f ms (rounds %s), p99 %.2f ms, cv %.1f%%, spread %.1f%%, %.1f samples/s%s",
+                 variant, key, point["p50_ms"], point["round_p50_ms"], point["p99_ms"], 100 * point["cv"],
+                 100 * point["spread"], point["throughput_sps"], "  NOISY" if point["noisy"] else "")
+    stopped_early = runs.rounds[0]["stopped_early"]
+    if stopped_early:
+        log.info("%s: sweep stopped after batch %s: %s", variant, stopped_early["after_batch"], stopped_early["why"])
 
-    record = outcome_record(variant, "ok", None, device, threads, cold.artifact_bytes)
-    steady = result.as_dict()
-    for b, extra in peaks.items():
-        if str(b) in steady:
-            steady[str(b)].update(extra)
+    record = outcome_record(variant, "ok", None, device, threads, runs.cold.artifact_bytes)
     record.update({
-        "cold_load": cold.as_dict(),
+        "cold_load": runs.cold.as_dict(),
         "steady": steady,
-        "stopped_early": result.stopped_early,
-        "peak_rss_mb": memory.peak_rss_mb(),
-        "noisy": any(m.noisy for m in result.points.values()),
+        "stopped_early": stopped_early,
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs.rounds),
+        "noisy": any(p["noisy"] for p in steady.values()),
         "settings": asdict(settings),
         "duration_s": round(time.monotonic() - started, 2),
     })
@@ -179,8 +192,10 @@ def conversion_status(model_dir) -> tuple[str, Optional[str]]:
 
 def benchmark_or_record(model_dir, variant: str, settings: BenchmarkSettings, device: str,
                         loader: str = DEFAULT_LOADER, feeds: str = DEFAULT_FEEDS) -> dict:
-    """Never raises: a variant that was not converted is `skipped`, a benchmark that crashes is
-    `failed` with the reason — one variant's trouble never stops the others."""
+    """Never raises: a variant that was not converted is `skipped`, a benchmark that fails is
+    `failed` with the reason — one variant's trouble never stops the others. The runtime only ever
+    runs in child processes, so even one that kills its interpreter (segfault, abort, OOM kill)
+    becomes a `failed` record here."""
     status, reason = conversion_status(model_dir)
     if status != "converted":
         why = f"conversion status is {status!r}" + (f": {reason}" if reason else "")
@@ -192,41 +207,3 @@ def benchmark_or_record(model_dir, variant: str, settings: BenchmarkSettings, de
         log.exception("%s: benchmark failed", variant)
         return outcome_record(variant, "failed", f"{type(e).__name__}: {str(e)[:2000]}", device,
                               serving_threads(device, max(settings.threads, 0)))
-
-
-def benchmark_isolated(model_dir, variant: str, settings: BenchmarkSettings, device: str,
-                       loader: str = DEFAULT_LOADER, feeds: str = DEFAULT_FEEDS) -> dict:
-    """benchmark_or_record in a fresh process (`python -m pipeline.measure.runner`): a runtime that
-    crashes the interpreter (segfault, abort, OOM kill) becomes a `failed` record, and the steady-state
-    peak RSS is the variant's own. A plain subprocess, not multiprocessing: spawn would re-import the
-    caller's __main__, which may itself be waiting on the device lock."""
-    import json
-    import subprocess
-    import tempfile
-    spec = {"model_dir": str(model_dir), "variant": variant, "settings": asdict(settings), "device": device,
-            "loader": loader, "feeds": feeds}
-    with tempfile.TemporaryDirectory(prefix="benchmark-") as tmp:
-        result = Path(tmp) / "record.json"
-        proc = subprocess.run([sys.executable, "-m", "pipeline.measure.runner", json.dumps(spec), str(result)],
-                              cwd=str(REPO_ROOT), env=thread_env(None))
-        if result.is_file():
-            return json.loads(result.read_text())
-    code = proc.returncode
-    how = f"signal {-code}" if code < 0 else f"exit code {code}"
-    return outcome_record(variant, "failed", f"the benchmark process died ({how}) without a result",
-                          device, serving_threads(device, max(settings.threads, 0)))
-
-
-def _main(argv) -> int:
-    import json
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    spec, out = json.loads(argv[0]), Path(argv[1])
-    settings = BenchmarkSettings(**{**spec["settings"], "batch_sizes": tuple(spec["settings"]["batch_sizes"])})
-    record = benchmark_or_record(spec["model_dir"], spec["variant"], settings, spec["device"],
-                                 spec["loader"], spec["feeds"])
-    out.write_text(json.dumps(record))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 
@@ -34,6 +34,7 @@ class LatencySummary:
     p99_s: float
     mean_s: float
     stdev_s: float
+    samples_s: tuple[float, ...] = field(default=(), repr=False, compare=False)   # kept for pooling rounds
 
     @classmethod
     def from_samples(cls, samples_s: Sequence[float], batch_size: int) -> "LatencySummary":
@@ -51,6 +52,7 @@ class LatencySummary:
             mean_s=statistics.fmean(samples_s),
             # sample stdev; one sample has no spread
             stdev_s=statistics.stdev(samples_s) if len(samples_s) > 1 else 0.0,
+            samples_s=tuple(float(x) for x in samples_s),
         )
 
     @property
@@ -83,6 +85,44 @@ class LatencySummary:
     def render(self) -> str:
         return (f"batch {self.batch_size:>4}: p50 {self.p50_s * 1e3:8.2f} ms  p99 {self.p99_s * 1e3:8.2f} ms  "
                 f"cv {self.cv:5.1%}  {self.throughput_sps:9.1f} samples/s  ({self.iters} iters)")
+
+
+@dataclass(frozen=True)
+class RepeatedLatency:
+    """One batch size measured in several rounds, each in its own fresh process at a different time.
+
+    The figures pool every round's samples. `spread` is how far the rounds' p50s disagree: noise
+    that no single process shows (its memory placement, allocator state, what the host did
+    meanwhile) and the honest uncertainty of the p50 when comparing variants or repeating a run.
+    """
+    rounds: tuple[LatencySummary, ...]
+
+    def __post_init__(self):
+        if not self.rounds:
+            raise ValueError("no rounds to combine")
+        if len({r.batch_size for r in self.rounds}) != 1:
+            raise ValueError(f"rounds of different batch sizes: {sorted({r.batch_size for r in self.rounds})}")
+        if any(not r.samples_s for r in self.rounds):
+            raise ValueError("a round without its samples cannot be pooled")
+
+    @property
+    def pooled(self) -> LatencySummary:
+        return LatencySummary.from_samples([x for r in self.rounds for x in r.samples_s], self.rounds[0].batch_size)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the rounds' p50s; 0 for a single round."""
+        p50s = [r.p50_s for r in self.rounds]
+        mid = statistics.median(p50s)
+        return (max(p50s) - min(p50s)) / mid if mid > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {**self.pooled.as_dict(), "rounds": len(self.rounds),
+                "round_p50_ms": [_r(r.p50_s * 1e3) for r in self.rounds], "spread": _r(self.spread, 4)}
+
+    def render(self) -> str:
+        p50s = ", ".join(f"{r.p50_s * 1e3:.2f}" for r in self.rounds)
+        return f"{self.pooled.render()}  rounds p50 [{p50s}] ms, spread {self.spread:.1%}"
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,29 @@ class StopRule:
         return iters >= self.min_iters and elapsed_s >= self.min_duration_s
 
 
+# JIT runtimes (TorchScript's profiling executor) specialise on the 2nd call: warm-up never stops before it
+MIN_WARMUP_CALLS = 2
+
+
+def warm_up(call: Callable[[], Any], iters: int, max_s: Optional[float] = None, clock: Clock = time.perf_counter) -> int:
+    """`iters` untimed calls, cut short once `max_s` has passed after at least MIN_WARMUP_CALLS (a
+    1.4-s call does not need five warm-ups). Returns the calls made."""
+    start, done = clock(), 0
+    while done < iters:
+        if max_s is not None and done >= MIN_WARMUP_CALLS and clock() - start >= max_s:
+            break
+        call()
+        done += 1
+    return done
+
+
 def measure_latency(call: Callable[[], Any], batch_size: int, rule: StopRule, warmup_iters: int = 0,
                     sync: Optional[Callable[[], None]] = None, clock: Clock = time.perf_counter,
-                    after_call: Optional[Callable[[], None]] = None) -> LatencySummary:
+                    after_call: Optional[Callable[[], None]] = None,
+                    warmup_max_s: Optional[float] = None) -> LatencySummary:
     """Time `call()` back to back. `sync` (GPU) runs inside each timed interval so queued device
     work is counted; `after_call` (e.g. a memory sample) runs outside it."""
-    for _ in range(warmup_iters):
-        call()
+    warm_up(call, warmup_iters, warmup_max_s, clock)
     if sync:
         sync()
     samples: list[float] = []
@@ -114,10 +130,11 @@ def _is_out_of_memory(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or "out of memory" in str(e).lower()
 
 
-def sweep(measure_at: Callable[[int], StableMeasurement], batch_sizes: Sequence[int], policy: SweepPolicy,
+def sweep(measure_at: Callable[[int], StableMeasurement], batch_sizes: Sequence[int], policy: Optional[SweepPolicy],
           on_point: Optional[Callable[[int, StableMeasurement], None]] = None) -> SweepResult:
-    """Measure batch sizes in the given order until the policy says stop. Running out of memory
-    at a size ends the sweep there (recorded) instead of failing the sizes already measured."""
+    """Measure batch sizes in the given order until the policy says stop (no policy: every size).
+    Running out of memory at a size ends the sweep there (recorded) instead of failing the sizes
+    already measured."""
     result = SweepResult()
     history: list[LatencySummary] = []
     sizes = list(batch_sizes)
@@ -134,8 +151,57 @@ def sweep(measure_at: Callable[[int], StableMeasurement], batch_sizes: Sequence[
         if on_point:
             on_point(b, m)
         history.append(m.summary)
-        why = policy.why_stop(history)
+        why = policy.why_stop(history) if policy else None
         if why and i < len(sizes) - 1:
             result.stopped_early = {"after_batch": b, "why": why}
             break
     return result
+
+
+def measure_interleaved(calls: dict[int, Callable[[], Any]], rule: StopRule, passes: int, warmup_iters: int = 0,
+                        warmup_max_s: Optional[float] = None, sync: Optional[Callable[[], None]] = None,
+                        clock: Clock = time.perf_counter,
+                        after_call: Optional[Callable[[], None]] = None) -> dict[int, LatencySummary]:
+    """Every batch size in `passes` short windows, round-robin, so each size's samples span the
+    whole measurement: host noise that comes and goes over seconds (another tenant, frequency)
+    then weighs on every size alike instead of on whichever one it happened to coincide with.
+    Each size still gets the rule's iterations and duration in total; one warm-up call when
+    coming back to a size (shapes change between sizes), the full warm-up on the first visit."""
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
+    per_pass = StopRule(-(-rule.min_iters // passes), rule.min_duration_s / passes)
+    samples: dict[int, list[float]] = {b: [] for b in calls}
+    for i in range(passes):
+        for b, call in calls.items():
+            s = measure_latency(call, b, per_pass, warmup_iters if i == 0 else 1, sync=sync, clock=clock,
+                                after_call=after_call, warmup_max_s=warmup_max_s)
+            samples[b].extend(s.samples_s)
+    return {b: LatencySummary.from_samples(xs, b) for b, xs in samples.items()}
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    """What one steady-state round measures. Plain data: it crosses into a fresh process as JSON.
+    The first round sweeps (stops early by the policy); later rounds re-measure the sizes it kept,
+    interleaved in `passes` windows each."""
+    batch_sizes: tuple[int, ...]
+    sweep: bool
+    passes: int
+    warmup_iters: int
+    warmup_max_s: float
+    min_iters: int
+    min_duration_s: float
+    max_cv: float
+    min_gain: float
+    patience: int
+    latency_cap_ms: float
+
+    def policy(self) -> Optional[SweepPolicy]:
+        return SweepPolicy(self.min_gain, self.latency_cap_ms, self.patience) if self.sweep else None
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "batch_sizes": list(self.batch_sizes)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RoundSpec":
+        return cls(**{**d, "batch_sizes": tuple(d["batch_sizes"])})
