@@ -210,7 +210,8 @@ def select(variants: list[str], conversions: dict[str, Optional[dict]], benchmar
                f"{winner.figures['batch_size']}, p99 per request {winner.figures['request_p99_ms']:.1f} ms "
                f"<= SLO {criteria.latency_slo_ms:g} ms")
         if winner.figures.get("noisy"):
-            msg += " (its measurements are flagged noisy: CV above benchmark.max_cv after a re-measure)"
+            msg += (" (its measurements are flagged noisy: a per-call CV above benchmark.max_cv after a "
+                    "re-measure, or rounds whose p50s spread more than that; see metrics/benchmark)")
         if tie["best_by_figure"] != winner.variant:
             msg += (f"; chosen over {tie['best_by_figure']} because their figures are within measured noise "
                     f"and {winner.variant} is simpler (order {' > '.join(SIMPLICITY_ORDER)})")

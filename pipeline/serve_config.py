@@ -105,13 +105,14 @@ def curve_from_benchmark(benchmark: dict) -> list[CurvePoint]:
 
 
 def noise_between(a: CurvePoint, b: CurvePoint, floor: float) -> float:
-    """Relative difference two throughput figures must exceed to count as real.
+    """Relative difference two throughput figures of ONE variant must exceed to count as real.
 
-    Each point's noise is its per-call CV or the spread of its rounds' p50s across fresh
-    processes, whichever is larger: on shared machines repeated runs drift by about that much
-    (whole-run means differ by more than their standard error suggests), so this is deliberately
-    conservative. Independent errors add in quadrature."""
-    return max(floor, math.hypot(a.noise, b.noise))
+    The per-call CV is taken as the uncertainty: deliberately conservative (whole-run means differ
+    by more than their standard error suggests). Not the rounds' spread: a variant's batch sizes
+    were measured in the same rounds, interleaved, so host drift moves them together; the spread
+    matters when comparing variants measured at different times (selection). Independent errors
+    add in quadrature."""
+    return max(floor, math.hypot(a.cv, b.cv))
 
 
 def batch_delay_ms(point: CurvePoint, slo_ms: float, headroom_share: float, workers: int = 1) -> tuple[int, dict]:

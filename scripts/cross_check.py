@@ -5,7 +5,8 @@
 Measures one variant at one batch size with plain `timeit` (stdlib autorange + repeat) in its own
 process — same runtime, same inputs, same thread count, none of the harness's timing code — and
 prints that figure beside the harness's p50 (from metrics/benchmark/<variant>.json, or a fresh
-harness run with --fresh or when the metrics lack that batch size) and their ratio.
+harness run with --fresh or when the metrics lack that batch size) and their ratio. With --fresh the
+independent figure is the mean of one run before and one after the harness run.
 """
 from __future__ import annotations
 
@@ -98,23 +99,36 @@ def main(argv=None) -> int:
     task = json.loads((vdir / "variant.json").read_text()).get("task", {})
     seq_len = params.benchmark.text_length if task.get("kind") == "text-embedding" else None
 
-    harness, source = harness_figure(a.variant, vdir, a.metrics or benchmark_json(a.variant), a.batch_size,
-                                     a.fresh, params)
     spec = {"model_dir": str(vdir), "batch_size": a.batch_size, "device": device, "threads": threads,
             "seq_len": seq_len, "min_run_time": a.min_run_time}
-    proc = subprocess.run([sys.executable, __file__, a.variant, "--child", json.dumps(spec)], cwd=REPO_ROOT,
-                          env=thread_env(threads), capture_output=True, text=True)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)), None)
-    if proc.returncode != 0 or line is None:
-        print(proc.stderr[-2000:], file=sys.stderr)
+
+    def measure_independently() -> dict | None:
+        proc = subprocess.run([sys.executable, __file__, a.variant, "--child", json.dumps(spec)], cwd=REPO_ROOT,
+                              env=thread_env(threads), capture_output=True, text=True)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)), None)
+        if proc.returncode != 0 or line is None:
+            print(proc.stderr[-2000:], file=sys.stderr)
+            return None
+        return json.loads(line[len(MARKER):])
+
+    # A fresh harness run is bracketed by two independent runs (before and after), so a host that
+    # drifts while they run moves both figures alike instead of showing up as disagreement.
+    before = measure_independently() if a.fresh else None
+    harness, source = harness_figure(a.variant, vdir, a.metrics or benchmark_json(a.variant), a.batch_size,
+                                     a.fresh, params)
+    after = measure_independently()
+    runs = [r for r in (before, after) if r is not None]
+    if not runs or (a.fresh and len(runs) < 2):
         return 1
-    ind = json.loads(line[len(MARKER):])
-    ratio = ind["median_ms"] / harness["p50_ms"]
+    median_ms = statistics.fmean(r["median_ms"] for r in runs)
+    ratio = median_ms / harness["p50_ms"]
     print(f"variant {a.variant}, batch {a.batch_size}, device {device}, threads {threads}")
     print(f"  harness ({source}): p50 {harness['p50_ms']:.3f} ms, mean {harness['mean_ms']:.3f} ms, "
           f"{harness['throughput_sps']:.1f} samples/s ({harness['iters']} iters)")
-    print(f"  independent ({ind['method']}, own process): median {ind['median_ms']:.3f} ms per call, "
-          f"min {ind['min_ms']:.3f} ms, {a.batch_size / ind['median_ms'] * 1e3:.1f} samples/s")
+    for when, r in zip(("before", "after") if before else ("",), runs):
+        print(f"  independent{' ' + when if when else ''} ({r['method']}, own process): median {r['median_ms']:.3f} ms "
+              f"per call, min {r['min_ms']:.3f} ms")
+    print(f"  independent: {median_ms:.3f} ms per call, {a.batch_size / median_ms * 1e3:.1f} samples/s")
     print(f"  ratio independent / harness p50 = {ratio:.3f}  ({'agree' if abs(ratio - 1) <= 0.15 else 'DISAGREE'} "
           f"within 15%)")
     return 0

@@ -53,6 +53,11 @@ def test_tie_within_noise_prefers_the_simpler_variant():
     # clearly faster (30%) beats simplicity
     d = run({"bf16": bench(curve(1.3), cv=0.05), "onnx": bench(curve(1.0), cv=0.05)})
     assert d["winner"] == "bf16"
+    # 10% faster with quiet calls (cv 0.01) but rounds that disagree by 12%: still a tie
+    d = run({"bf16": bench(curve(1.10), cv=0.01, spread=0.12), "onnx": bench(curve(1.0), cv=0.01, spread=0.02)})
+    assert d["winner"] == "onnx" and d["variants"]["bf16"]["figures"]["noise"] == 0.12
+    d = run({"bf16": bench(curve(1.10), cv=0.01, spread=0.02), "onnx": bench(curve(1.0), cv=0.01, spread=0.02)})
+    assert d["winner"] == "bf16"
     assert SIMPLICITY_ORDER.index("onnx") < SIMPLICITY_ORDER.index("torchscript") < SIMPLICITY_ORDER.index("eager")
 
 
