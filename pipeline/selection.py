@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from pipeline.serve_config import (DerivationError, OperatingPoint, choose_operating_point,
-                                   cold_load_ms, curve_from_benchmark, worker_memory_mb)
+                                   cold_load_ms, curve_from_benchmark, fill_limit, worker_memory_mb)
 
 # Tie-break order among variants whose figures are within measured noise: simplest and most
 # portable first.
@@ -40,6 +40,7 @@ class Criteria:
     min_batch_gain: float = 0.05
     noise_floor: float = 0.03
     delay_headroom_share: float = 0.5
+    expected_concurrency: int = 16
 
     @classmethod
     def from_serve(cls, serve: Any) -> "Criteria":
@@ -98,8 +99,10 @@ def simplicity_rank(variant: str) -> int:
 
 
 # --------------------------------------------------------------------------- evaluation
-def evaluate(variant: str, conversion: Optional[dict], benchmark: Optional[dict], criteria: Criteria) -> Candidate:
-    """One variant against the constraints; never raises for a bad variant, records why instead."""
+def evaluate(variant: str, conversion: Optional[dict], benchmark: Optional[dict], criteria: Criteria,
+             workers_for: Optional[Callable[[dict], int]] = None) -> Candidate:
+    """One variant against the constraints; never raises for a bad variant, records why instead.
+    workers_for(benchmark): the worker count it would be served with (configure's; 1 when None)."""
     c = Candidate(variant, "failed")
     if conversion is None:
         c.reasons.append(f"no conversion record (artifacts/variants/{variant}/conversion.json): "
@@ -134,11 +137,12 @@ def evaluate(variant: str, conversion: Optional[dict], benchmark: Optional[dict]
         c.reasons.append(str(e))
         return c
 
-    # Judged at one worker (the longest batch delay); configure recomputes the delay for its worker count,
-    # which only shortens it, so a variant that fits here fits as served.
+    # Judged at the point configure will serve it at: same worker count, same batch limit, same delay.
+    workers = workers_for(benchmark) if workers_for else 1
     op = choose_operating_point(curve, criteria.latency_slo_ms, objective=criteria.objective,
                                 min_gain=criteria.min_batch_gain, noise_floor=criteria.noise_floor,
-                                headroom_share=criteria.delay_headroom_share)
+                                headroom_share=criteria.delay_headroom_share, workers=workers,
+                                max_batch=fill_limit(criteria.expected_concurrency, workers))
     point = next(p for p in curve if p.batch_size == op.batch_size)
     rss, gpu = worker_memory_mb(benchmark, point)
     device = benchmark.get("device") or "cpu"
@@ -146,7 +150,7 @@ def evaluate(variant: str, conversion: Optional[dict], benchmark: Optional[dict]
     c.op, c.accurate = op, True
     c.figures.update({
         "device": device, "threads": benchmark.get("threads"), "artifact_bytes": benchmark.get("artifact_bytes"),
-        "batch_size": op.batch_size, "max_batch_delay_ms": op.delay_ms, "batch_p99_ms": op.batch_p99_ms,
+        "workers": workers, "batch_size": op.batch_size, "max_batch_delay_ms": op.delay_ms, "batch_p99_ms": op.batch_p99_ms,
         "request_p99_ms": op.request_p99_ms, "throughput_sps": op.throughput_sps,
         "cv": point.cv, "spread": point.spread, "noise": op.noise,
         "noisy": bool(benchmark.get("noisy") or point.noisy),
@@ -194,12 +198,12 @@ def pick(cands: list[Candidate], objective: Objective, noise_floor: float) -> tu
 
 
 def select(variants: list[str], conversions: dict[str, Optional[dict]], benchmarks: dict[str, Optional[dict]],
-           criteria: Criteria) -> dict:
-    """The decision record. Only `variants` (params order) are considered."""
+           criteria: Criteria, workers_for: Optional[Callable[[dict], int]] = None) -> dict:
+    """The decision record. Only `variants` (params order) are considered. workers_for: see `evaluate`."""
     if criteria.objective not in OBJECTIVES:
         raise SelectionError(f"serve.objective {criteria.objective!r} unknown; use one of {', '.join(OBJECTIVES)}")
     objective = OBJECTIVES[criteria.objective]
-    cands = [evaluate(v, conversions.get(v), benchmarks.get(v), criteria) for v in variants]
+    cands = [evaluate(v, conversions.get(v), benchmarks.get(v), criteria, workers_for) for v in variants]
     eligible = [c for c in cands if c.status == "eligible"]
     accurate = [c for c in cands if c.accurate]
     tie = None

@@ -129,9 +129,13 @@ def batch_delay_ms(point: CurvePoint, slo_ms: float, headroom_share: float, work
 
 def choose_operating_point(curve: list[CurvePoint], slo_ms: float, *, objective: str = "throughput",
                            min_gain: float = 0.05, noise_floor: float = 0.03,
-                           headroom_share: float = 0.5, workers: int = 1) -> OperatingPoint:
+                           headroom_share: float = 0.5, workers: int = 1,
+                           max_batch: Optional[int] = None) -> OperatingPoint:
     """The batch to serve at.
 
+    max_batch: the largest batch the expected load can fill on every worker at once (`fill_limit`);
+    bigger measured batches are skipped: under that load they would only ever leave partly full,
+    after waiting maxBatchDelay. The smallest measured batch stays a candidate whatever the limit.
     throughput / cold_load objectives: walk the measured batches upwards; a batch that fits the SLO
     (p99 + its delay) replaces the current choice only if its throughput beats the CURRENT CHOICE by
     more than max(min_gain, noise). Comparing with the choice, not the neighbour, handles a
@@ -143,9 +147,14 @@ def choose_operating_point(curve: list[CurvePoint], slo_ms: float, *, objective:
         d, _ = batch_delay_ms(p, slo_ms, headroom_share, workers)
         return d, p.p99_ms + d
 
+    if max_batch is not None:
+        over = [p for p in curve[1:] if p.batch_size > max_batch]
+        if over:
+            steps.append(f"batch {', '.join(str(p.batch_size) for p in over)}: above {max_batch}, the largest batch "
+                         f"the expected concurrent requests fill on each of {workers} worker(s): skipped")
+        curve = curve[:1] + [p for p in curve[1:] if p.batch_size <= max_batch]
     fitting = []
     for p in curve:
-        d, req = point_at(p)
         ok = p.p99_ms + 1 <= slo_ms          # with the 1 ms minimum delay
         if ok:
             fitting.append(p)
@@ -193,6 +202,13 @@ def worker_memory_mb(benchmark: dict, point: Optional[CurvePoint]) -> tuple[Opti
     return (float(rss) if rss is not None else None, float(gpu) if gpu is not None else None)
 
 
+def fill_limit(expected_concurrency: int, workers: int) -> int:
+    """The largest batch every worker can fill at once when `expected_concurrency` requests are in
+    flight: TorchServe splits the queue between its workers, so a bigger batch only ever leaves
+    after maxBatchDelay, part full, and the workers idle while it waits."""
+    return max(1, int(expected_concurrency) // max(1, int(workers)))
+
+
 # --------------------------------------------------------------------------- derivation
 def _serve_dict(serve: Any) -> dict:
     return dataclasses.asdict(serve) if dataclasses.is_dataclass(serve) else dict(serve)
@@ -238,41 +254,18 @@ def request_limits(task: Optional[dict], sample_elements: Optional[dict]) -> tup
     return Derived(int(req), rf, inputs), Derived(int(resp), pf, {"output_elements": out_n})
 
 
-def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optional[dict] = None,
-                        sample_elements: Optional[dict] = None) -> dict[str, Derived]:
-    """All TorchServe settings for the winner. Keys match `serve.overrides.*`."""
+def plan_workers(benchmark: dict, env: dict, serve: Any,
+                 curve: Optional[list[CurvePoint]] = None) -> tuple[Derived, Derived]:
+    """(workers, threads_per_worker) for one host, before overrides.
+
+    Memory per worker is the peak over every measured batch (conservative, and it lets the worker
+    count be known before the batch size, which it bounds: see `fill_limit`)."""
     s = _serve_dict(serve)
-    overrides = s.get("overrides") or {}
-    slo = float(s["latency_slo_ms"])
-    curve = curve_from_benchmark(benchmark)
-    by_batch = {p.batch_size: p for p in curve}
+    curve = curve if curve is not None else curve_from_benchmark(benchmark)
     device = benchmark.get("device") or env.get("device") or "cpu"
-    out: dict[str, Derived] = {}
-
-    def put(key: str, d: Derived) -> Derived:
-        ov = overrides.get(key)
-        if ov is not None:
-            d = Derived(ov, d.formula, d.inputs, overridden=True, derived_value=d.value)
-        out[key] = d
-        return d
-
-    out["device"] = Derived(device, "the device the winner was benchmarked on", {"benchmark.device": device})
-
-    # ---- batch size (workers don't change which batch is best, only the delay)
-    op = choose_operating_point(curve, slo, objective=s.get("objective", "throughput"),
-                                min_gain=s.get("min_batch_gain", 0.05), noise_floor=s.get("noise_floor", 0.03),
-                                headroom_share=s.get("delay_headroom_share", 0.5))
-    batch = put("batch_size", Derived(op.batch_size,
-        "largest measured batch with p99 + delay <= SLO whose throughput beats the current choice by "
-        "more than max(min_batch_gain, noise); objective latency: smallest batch",
-        {"slo_ms": slo, "objective": s.get("objective"), "fits_slo": op.fits_slo, "steps": op.steps,
-         "curve": {p.batch_size: {"p99_ms": p.p99_ms, "throughput_sps": p.throughput_sps, "cv": p.cv,
-                                   "spread": p.spread}
-                   for p in curve}})).value
-    point = _point_for(batch, curve)
-    rss_mb, gpu_mb = worker_memory_mb(benchmark, by_batch.get(batch) or point)
-
-    # ---- workers × threads
+    rss_mb = max([p.peak_rss_mb for p in curve if p.peak_rss_mb is not None] +
+                 ([benchmark["peak_rss_mb"]] if benchmark.get("peak_rss_mb") is not None else []), default=None)
+    gpu_mb = max((p.peak_gpu_mb for p in curve if p.peak_gpu_mb is not None), default=None)
     cores, core_inputs = usable_cores(env)
     bench_threads = int(benchmark.get("threads") or 1)
     share = float(s.get("memory_share", 0.8))
@@ -286,27 +279,80 @@ def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optiona
         w = per_gpu * n_gpu
         if mem_cap is not None:
             w = min(w, max(1, mem_cap))
-        workers = put("workers", Derived(w,
+        workers = Derived(w,
             "per GPU: min(max_workers_per_gpu, floor(gpu memory × memory_share / peak GPU MB per worker)) "
             "× GPUs, capped by floor(host memory × memory_share / peak RSS)",
             {"gpus": n_gpu, "gpu_memory_mb": gpu.get("memory_mb"), "peak_gpu_mb": gpu_mb,
              "max_workers_per_gpu": s.get("max_workers_per_gpu"), "memory_share": share,
-             "host_memory_mb": host_mb, "peak_rss_mb": rss_mb})).value
-        t = max(1, min(bench_threads, cores // max(1, workers)))
-        put("threads_per_worker", Derived(t,
+             "host_memory_mb": host_mb, "peak_rss_mb": rss_mb})
+        served = int((s.get("overrides") or {}).get("workers") or w)
+        threads = Derived(max(1, min(bench_threads, cores // max(1, served))),
             "min(benchmark threads, cores // workers): CPU-side pre/post-processing threads",
-            {"benchmark_threads": bench_threads, "cores": cores, "workers": workers, **core_inputs}))
+            {"benchmark_threads": bench_threads, "cores": cores, "workers": served, **core_inputs})
     else:
         cpu_cap = max(1, cores // bench_threads)
         w = cpu_cap if mem_cap is None else max(1, min(cpu_cap, mem_cap))
-        workers = put("workers", Derived(w,
+        workers = Derived(w,
             "min(cores // benchmark threads, floor(host memory × memory_share / peak RSS per worker)), >= 1 "
             "(workers × threads <= cores: no oversubscription)",
             {"cores": cores, "benchmark_threads": bench_threads, "host_memory_mb": host_mb,
-             "peak_rss_mb": rss_mb, "memory_share": share, **core_inputs})).value
-        put("threads_per_worker", Derived(bench_threads,
-            "the intra-op thread count the curve was measured with",
-            {"benchmark_threads": bench_threads}))
+             "peak_rss_mb": rss_mb, "memory_share": share, **core_inputs})
+        threads = Derived(bench_threads, "the intra-op thread count the curve was measured with",
+                          {"benchmark_threads": bench_threads})
+    return workers, threads
+
+
+def served_workers(benchmark: dict, env: Optional[dict], serve: Any) -> int:
+    """The worker count configure will write: serve.overrides.workers, else `plan_workers`; 1 when
+    the host is unknown (no env.json)."""
+    s = _serve_dict(serve)
+    override = (s.get("overrides") or {}).get("workers")
+    if override:
+        return int(override)
+    return plan_workers(benchmark, env, s)[0].value if env else 1
+
+
+def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optional[dict] = None,
+                        sample_elements: Optional[dict] = None) -> dict[str, Derived]:
+    """All TorchServe settings for the winner. Keys match `serve.overrides.*`."""
+    s = _serve_dict(serve)
+    overrides = s.get("overrides") or {}
+    slo = float(s["latency_slo_ms"])
+    curve = curve_from_benchmark(benchmark)
+    device = benchmark.get("device") or env.get("device") or "cpu"
+    out: dict[str, Derived] = {}
+
+    def put(key: str, d: Derived) -> Derived:
+        ov = overrides.get(key)
+        if ov is not None:
+            d = Derived(ov, d.formula, d.inputs, overridden=True, derived_value=d.value)
+        out[key] = d
+        return d
+
+    out["device"] = Derived(device, "the device the winner was benchmarked on", {"benchmark.device": device})
+
+    # ---- workers × threads first: how many workers share the queue bounds the batch they can fill
+    workers_d, threads_d = plan_workers(benchmark, env, s, curve)
+    workers = put("workers", workers_d).value
+    put("threads_per_worker", threads_d)
+
+    # ---- batch size
+    conc = int(s.get("expected_concurrency", 16))
+    max_batch = fill_limit(conc, workers)
+    op = choose_operating_point(curve, slo, objective=s.get("objective", "throughput"),
+                                min_gain=s.get("min_batch_gain", 0.05), noise_floor=s.get("noise_floor", 0.03),
+                                headroom_share=s.get("delay_headroom_share", 0.5), workers=workers,
+                                max_batch=max_batch)
+    batch = put("batch_size", Derived(op.batch_size,
+        "largest measured batch with p99 + delay <= SLO and batch <= expected_concurrency // workers whose "
+        "throughput beats the current choice by more than max(min_batch_gain, noise); objective latency: "
+        "smallest batch",
+        {"slo_ms": slo, "objective": s.get("objective"), "fits_slo": op.fits_slo,
+         "expected_concurrency": conc, "workers": workers, "max_batch": max_batch, "steps": op.steps,
+         "curve": {p.batch_size: {"p99_ms": p.p99_ms, "throughput_sps": p.throughput_sps, "cv": p.cv,
+                                   "spread": p.spread}
+                   for p in curve}})).value
+    point = _point_for(batch, curve)
 
     # ---- batch delay, now that the number of workers sharing the queue is known
     if s.get("objective") == "latency" and not overrides.get("batch_size"):
@@ -355,7 +401,6 @@ def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optiona
          "response_floor_s": s["response_floor_s"], "unrounded_s": round(rraw, 3)}))
 
     # ---- queue and size limits
-    conc = int(s.get("expected_concurrency", 16))
     put("job_queue_size", Derived(max(2 * conc, 2 * workers * batch),
         "max(2 × expected_concurrency, 2 × workers × batchSize): every expected in-flight request plus "
         "a burst; beyond it TorchServe answers 503 instead of letting requests wait past the SLO",

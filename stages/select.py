@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.params import ParamsError, load_params
-from pipeline.paths import BENCHMARK_METRICS, SELECTION_JSON, VARIANTS_DIR
+from pipeline.paths import BENCHMARK_METRICS, ENV_JSON, SELECTION_JSON, VARIANTS_DIR
 from pipeline.selection import Criteria, SelectionError, check_decision, select
+from pipeline.serve_config import DerivationError, served_workers
 
 log = logging.getLogger("stages.select")
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants-dir", default=str(VARIANTS_DIR), help="conversion records (default: %(default)s)")
     parser.add_argument("--benchmarks-dir", default=str(BENCHMARK_METRICS),
                         help="benchmark records (default: %(default)s)")
+    parser.add_argument("--env", default=str(ENV_JSON), help="probed host, for the worker count (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
@@ -47,7 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     criteria = Criteria.from_serve(params.serve)
     conversions = {v: _read(Path(args.variants_dir) / v / "conversion.json") for v in params.variants}
     benchmarks = {v: _read(Path(args.benchmarks_dir) / f"{v}.json") for v in params.variants}
-    decision = select(params.variants, conversions, benchmarks, criteria)
+    env = _read(Path(args.env))
+
+    def workers_for(benchmark: dict) -> int:
+        # configure's worker count, so each variant is judged at the batch it would be served at
+        try:
+            return served_workers(benchmark, env, params.serve)
+        except DerivationError:
+            return 1
+    decision = select(params.variants, conversions, benchmarks, criteria, workers_for)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

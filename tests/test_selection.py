@@ -42,6 +42,16 @@ def test_max_throughput_within_slo_wins():
     assert {"cold_load_median_ms", "worker_memory_mb", "cv", "max_abs_error"} <= set(f)
 
 
+def test_variants_are_judged_at_the_batch_their_workers_can_fill():
+    # per worker, batch 8 is the best point; 2 workers with 8 requests in flight fill batches of 4 only
+    d = run({"onnx": bench(curve(1.0))}, expected_concurrency=8)
+    assert d["variants"]["onnx"]["figures"]["batch_size"] == 8
+    d = select(["onnx"], {"onnx": CONVERTED}, {"onnx": bench(curve(1.0))}, Criteria(expected_concurrency=8),
+               workers_for=lambda b: 2)
+    f = d["variants"]["onnx"]["figures"]
+    assert f["workers"] == 2 and f["batch_size"] == 4 and f["throughput_sps"] == 320.0
+
+
 def test_tie_within_noise_prefers_the_simpler_variant():
     # bf16 is 2% faster, inside the noise of the two runs (cv 0.05 each → band 7%): onnx wins.
     d = run({"bf16": bench(curve(1.02), cv=0.05), "onnx": bench(curve(1.0), cv=0.05),

@@ -32,6 +32,8 @@ MONOTONIC = {1: (5.0, 200.0), 2: (8.0, 250.0), 4: (14.0, 290.0), 8: (30.0, 320.0
 
 
 def derive(b, env=CPU_ENV, **serve):
+    # enough requests in flight to fill any measured batch on every worker, unless a test says otherwise
+    serve.setdefault("expected_concurrency", 1024)
     return derive_serve_config(b, env, ServeParams(**serve), task={"kind": "text-embedding", "max_length": 128},
                                sample_elements={"input": 256, "output": 384})
 
@@ -81,6 +83,27 @@ def test_noise_raises_the_bar_for_a_bigger_batch():
     # ... but it is the served point's noise when variants are compared
     point = curve_from_benchmark(bench({1: (5.0, 100.0)}, cv=0.01, spread=0.10))[0]
     assert point.noise == 0.10 and choose_operating_point([point], 200.0).noise == 0.10
+
+
+def test_batch_is_bounded_by_what_the_expected_load_fills():
+    # 16 is clearly worth it per worker (+25%), but 2 workers × 16 needs 32 requests in flight:
+    # with 16 each batch would leave half full after maxBatchDelay, and one worker would idle.
+    curve = {1: (5.0, 200.0), 2: (8.0, 250.0), 4: (14.0, 290.0), 8: (30.0, 320.0), 16: (60.0, 400.0)}
+    two_cores = {**CPU_ENV, "cpu": {**CPU_ENV["cpu"], "usable_cpus": 2}}
+    d = derive(bench(curve), two_cores, expected_concurrency=16)
+    assert d["workers"].value == 2 and d["batch_size"].value == 8
+    assert d["batch_size"].inputs["max_batch"] == 8
+    assert any("batch 16: above 8" in s for s in d["batch_size"].inputs["steps"])
+    assert derive(bench(curve), two_cores, expected_concurrency=32)["batch_size"].value == 16
+    assert derive(bench(curve), two_cores, expected_concurrency=5)["batch_size"].value == 2
+    assert derive(bench(curve), two_cores, expected_concurrency=1)["batch_size"].value == 1
+    # the worker override changes the bound: 1 worker fills 16 from 16 in flight
+    one = derive(bench(curve), two_cores, expected_concurrency=16, overrides=ServeOverrides(workers=1))
+    assert one["batch_size"].value == 16
+    # a curve that starts above the bound still has its smallest batch to serve
+    op = choose_operating_point(curve_from_benchmark(bench({4: (14.0, 290.0), 8: (30.0, 320.0)})), 200.0,
+                                max_batch=2)
+    assert op.batch_size == 4
 
 
 def test_slo_unreachable_takes_the_lowest_p99():
