@@ -15,8 +15,8 @@ import torch
 
 from pipeline.measure.cold import (BenchmarkChildError, artifact_files, measure_fresh_processes, raw_read_seconds,
                                    run_fresh_process)
-from pipeline.measure.runner import (BenchmarkSettings, benchmark_or_record, combine_rounds, curve_rows, load_rows,
-                                     repeat_sizes)
+from pipeline.measure.runner import (BenchmarkSettings, benchmark_or_record, combine_rounds, curve_rows,
+                                     host_reference, load_rows, repeat_sizes)
 from pipeline.params import parse_params
 
 TINY_LOADER = textwrap.dedent('''
@@ -159,6 +159,10 @@ def test_benchmark_variant_with_a_tiny_torch_model(tiny):
         assert min(s["round_p50_ms"]) <= s["p50_ms"] * 1.001 and s["p50_ms"] <= s["p99_ms"]
         assert s["peak_rss_mb"] > 0 and s["peak_gpu_mb"] is None and s["noisy"] is False
         assert 0 < s["cpu_share"] <= 1.5
+        assert s["p50_ref"] == pytest.approx(s["p50_ms"] / r["host_reference"]["median_ms"], rel=1e-3)
+    # the host reference was timed in both rounds: before the first size and after each size / pass
+    ref = r["host_reference"]
+    assert ref["median_ms"] > 0 and len(ref["round_median_ms"]) == 2 and ref["drift"] >= 0
     # three fresh processes: all three cold starts count, two went on to steady rounds
     assert r["cold_load"]["runs"] == 3 and r["cold_load"]["load_floor_ratio"] > 0
     assert {row["batch_size"] for row in curve_rows(r)} == {1, 2, 4}
@@ -250,6 +254,15 @@ def test_rounds_pool_their_samples_and_report_the_spread_of_their_p50s():
     assert b1["spread"] == 0.3 and b1["noisy"] is True        # but the disagreement is reported and flagged
     assert b2["spread"] == pytest.approx(0.5 / 18, abs=1e-4) and b2["noisy"] is False
     assert b2["peak_rss_mb"] == 102.0 and b2["cpu_share"] == 0.99
+
+
+def test_p50_in_host_reference_units_and_rounds_without_references():
+    a, b = _round({1: [0.010] * 10}), _round({1: [0.010] * 10})
+    a["reference_ms"], b["reference_ms"] = [0.5, 0.5], [0.5]
+    assert combine_rounds([a, b], max_cv=0.15)["1"]["p50_ref"] == 20.0
+    assert host_reference([a, b]).as_dict()["round_median_ms"] == [0.5, 0.5]
+    # a record from a child without reference windows keeps its figures, p50_ref None
+    assert combine_rounds([_round({1: [0.010] * 10})], max_cv=0.15)["1"]["p50_ref"] is None
 
 
 def test_later_rounds_skip_the_point_past_the_latency_cap():

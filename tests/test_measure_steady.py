@@ -195,3 +195,8 @@ def test_interleaved_windows_visit_every_size_in_turn_and_add_up_to_the_rule():
     assert order.count(4) == 8 + 3 + 1 and order.count(1) == 40 + 3 + 1
     with pytest.raises(ValueError):
         measure_interleaved({1: call(1, 0.01)}, StopRule(1, 0.0), passes=0)
+    # a hook between passes (the host reference), outside the timed calls
+    marks = []
+    measure_interleaved({1: call(1, 0.01)}, StopRule(2, 0.0), passes=3, clock=clock,
+                        after_pass=lambda: marks.append(len(order)))
+    assert len(marks) == 3 and len(set(marks)) == 3

@@ -84,6 +84,7 @@ def steady_round(runtime, make_feeds, model_dir: str, device: str, threads, seq_
     after size (each decides whether the next is worth it); a repeat round interleaves its sizes."""
     from pipeline.measure import memory
     from pipeline.measure.device import synchronizer
+    from pipeline.measure.reference import reference_window_ms
     from pipeline.measure.steady import StopRule, measure_interleaved, measure_latency, measure_stable, sweep
 
     sync = synchronizer(device)
@@ -91,6 +92,8 @@ def steady_round(runtime, make_feeds, model_dir: str, device: str, threads, seq_
     rule = StopRule(spec.min_iters, spec.min_duration_s)
     after_call = gpu.sample if gpu.active else None
     points: dict = {}
+    # the host's speed, in windows between the model's (pipeline/measure/reference.py)
+    reference_ms = [reference_window_ms()]
 
     def cpu_share_since(cpu0: float, wall0: float) -> float:
         # CPU time this process got per wall second and thread: well under 1 on CPU means other
@@ -112,6 +115,7 @@ def steady_round(runtime, make_feeds, model_dir: str, device: str, threads, seq_
                                                        sync=sync, after_call=after_call,
                                                        warmup_max_s=spec.warmup_max_s), spec.max_cv)
             record(batch_size, m.summary, m.noisy, m.remeasured, m.first_cv, cpu_share_since(cpu0, wall0))
+            reference_ms.append(reference_window_ms())
             return m
         stopped_early = sweep(measure_at, spec.batch_sizes, spec.policy()).stopped_early
     else:
@@ -120,11 +124,13 @@ def steady_round(runtime, make_feeds, model_dir: str, device: str, threads, seq_
         cpu0, wall0 = time.process_time(), time.monotonic()
         summaries = measure_interleaved({b: (lambda x=x: runtime.run(x)) for b, x in feeds.items()}, rule,
                                         spec.passes, spec.warmup_iters, spec.warmup_max_s, sync=sync,
-                                        after_call=after_call)
+                                        after_call=after_call,
+                                        after_pass=lambda: reference_ms.append(reference_window_ms()))
         share = cpu_share_since(cpu0, wall0)
         for b, s in summaries.items():
             record(b, s, s.cv > spec.max_cv, False, s.cv, share)
-    return {"points": points, "stopped_early": stopped_early, "peak_rss_mb": memory.peak_rss_mb()}
+    return {"points": points, "stopped_early": stopped_early, "peak_rss_mb": memory.peak_rss_mb(),
+            "reference_ms": reference_ms}
 
 
 def run_child(loader_spec: str, feeds_spec: str, model_dir: str, device: str, threads, seq_len,

@@ -20,6 +20,7 @@ from typing import Optional
 from pipeline.measure.cold import DEFAULT_FEEDS, DEFAULT_LOADER, artifact_files, measure_fresh_processes
 from pipeline.measure.device import serving_threads
 from pipeline.measure.feeds import read_variant
+from pipeline.measure.reference import HostReference, per_reference
 from pipeline.measure.stats import LatencySummary, RepeatedLatency
 from pipeline.measure.steady import RoundSpec
 
@@ -84,16 +85,24 @@ def repeat_sizes(first_round: dict, latency_cap_ms: float) -> list[int]:
     return keep
 
 
+def host_reference(rounds: list[dict]) -> HostReference:
+    """The reference windows every round timed (none from a child that predates them)."""
+    return HostReference(tuple(tuple(r.get("reference_ms") or ()) for r in rounds))
+
+
 def combine_rounds(rounds: list[dict], max_cv: float) -> dict:
     """Per batch size (the first round's sizes): the pooled figures, every round's p50 and their
     spread, flagged noisy when a round stayed noisy or the rounds disagree by more than max_cv.
     Peak memory comes from the sweep round: it runs the sizes in increasing order, so its peak at
-    a size is what that size (and the smaller ones) need; an interleaved round has seen them all."""
+    a size is what that size (and the smaller ones) need; an interleaved round has seen them all.
+    `p50_ref`: the p50 in units of the host reference kernel's time (comparable across runs)."""
+    ref_ms = host_reference(rounds).median_ms
     steady = {}
     for key, first in rounds[0]["points"].items():
         pts = [r["points"][key] for r in rounds if key in r["points"]]
         rep = RepeatedLatency(tuple(LatencySummary.from_samples(p["samples_s"], int(key)) for p in pts))
-        steady[key] = {**rep.as_dict(),
+        figures = rep.as_dict()
+        steady[key] = {**figures, "p50_ref": per_reference(figures["p50_ms"], ref_ms),
                        "noisy": any(p["noisy"] for p in pts) or rep.spread > max_cv,
                        "remeasured": any(p["remeasured"] for p in pts),
                        "peak_rss_mb": first["peak_rss_mb"],
@@ -137,6 +146,7 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
         log.info("%s: batch %s: p50 %.2f ms (rounds %s), p99 %.2f ms, cv %.1f%%, spread %.1f%%, %.1f samples/s%s",
                  variant, key, point["p50_ms"], point["round_p50_ms"], point["p99_ms"], 100 * point["cv"],
                  100 * point["spread"], point["throughput_sps"], "  NOISY" if point["noisy"] else "")
+    log.info("%s: host reference %s", variant, host_reference(runs.rounds).as_dict())
     stopped_early = runs.rounds[0]["stopped_early"]
     if stopped_early:
         log.info("%s: sweep stopped after batch %s: %s", variant, stopped_early["after_batch"], stopped_early["why"])
@@ -147,6 +157,7 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
         "steady": steady,
         "stopped_early": stopped_early,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs.rounds),
+        "host_reference": host_reference(runs.rounds).as_dict(),
         "noisy": any(p["noisy"] for p in steady.values()),
         "settings": asdict(settings),
         "duration_s": round(time.monotonic() - started, 2),

@@ -161,12 +161,14 @@ def sweep(measure_at: Callable[[int], StableMeasurement], batch_sizes: Sequence[
 def measure_interleaved(calls: dict[int, Callable[[], Any]], rule: StopRule, passes: int, warmup_iters: int = 0,
                         warmup_max_s: Optional[float] = None, sync: Optional[Callable[[], None]] = None,
                         clock: Clock = time.perf_counter,
-                        after_call: Optional[Callable[[], None]] = None) -> dict[int, LatencySummary]:
+                        after_call: Optional[Callable[[], None]] = None,
+                        after_pass: Optional[Callable[[], None]] = None) -> dict[int, LatencySummary]:
     """Every batch size in `passes` short windows, round-robin, so each size's samples span the
     whole measurement: host noise that comes and goes over seconds (another tenant, frequency)
     then weighs on every size alike instead of on whichever one it happened to coincide with.
     Each size still gets the rule's iterations and duration in total; one warm-up call when
-    coming back to a size (shapes change between sizes), the full warm-up on the first visit."""
+    coming back to a size (shapes change between sizes), the full warm-up on the first visit.
+    `after_pass` runs between passes (untimed), e.g. to time the host reference."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
     per_pass = StopRule(-(-rule.min_iters // passes), rule.min_duration_s / passes)
@@ -176,6 +178,8 @@ def measure_interleaved(calls: dict[int, Callable[[], Any]], rule: StopRule, pas
             s = measure_latency(call, b, per_pass, warmup_iters if i == 0 else 1, sync=sync, clock=clock,
                                 after_call=after_call, warmup_max_s=warmup_max_s)
             samples[b].extend(s.samples_s)
+        if after_pass:
+            after_pass()
     return {b: LatencySummary.from_samples(xs, b) for b, xs in samples.items()}
 
 
