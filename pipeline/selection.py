@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from pipeline.measure.reference import host_factors
 from pipeline.serve_config import (DerivationError, OperatingPoint, choose_operating_point,
                                    cold_load_ms, curve_from_benchmark, fill_limit, worker_memory_mb)
 
@@ -84,16 +83,10 @@ def _cold_spread(c: Candidate) -> float:
     return (mx - med) / med if med > 0 else 0.0
 
 
-def _host(c: Candidate) -> float:
-    """How much slower the host was while this variant was measured than for the others (1.0: no
-    reference, or not on CPU): steady-state figures are compared as if measured at one speed."""
-    return c.figures.get("host_factor") or 1.0
-
-
 OBJECTIVES: dict[str, Objective] = {
-    "throughput": Objective("throughput", lambda c: c.figures["throughput_sps"] * _host(c), _steady_noise,
+    "throughput": Objective("throughput", lambda c: c.figures["throughput_sps"], _steady_noise,
                             "highest throughput at the served batch within the SLO"),
-    "latency": Objective("latency", lambda c: -c.figures["request_p99_ms"] / _host(c), _steady_noise,
+    "latency": Objective("latency", lambda c: -c.figures["request_p99_ms"], _steady_noise,
                          "lowest p99 per request"),
     "cold_load": Objective("cold_load", lambda c: -c.figures["cold_load_median_ms"],
                            lambda a, b: math.hypot(_cold_spread(a), _cold_spread(b)),
@@ -211,14 +204,6 @@ def select(variants: list[str], conversions: dict[str, Optional[dict]], benchmar
         raise SelectionError(f"serve.objective {criteria.objective!r} unknown; use one of {', '.join(OBJECTIVES)}")
     objective = OBJECTIVES[criteria.objective]
     cands = [evaluate(v, conversions.get(v), benchmarks.get(v), criteria, workers_for) for v in variants]
-    # variants are benchmarked minutes apart and a shared host's speed drifts meanwhile: rank CPU
-    # figures as if measured at the host's median speed (pipeline/measure/reference.py)
-    on_cpu = {c.variant: ((benchmarks.get(c.variant) or {}).get("host_reference") or {}).get("median_ms")
-              for c in cands if c.accurate and c.figures.get("device") == "cpu"}
-    factors = host_factors(on_cpu)
-    for c in cands:
-        if c.variant in factors:
-            c.figures["host_factor"] = round(factors[c.variant], 4)
     eligible = [c for c in cands if c.status == "eligible"]
     accurate = [c for c in cands if c.accurate]
     tie = None
@@ -231,10 +216,6 @@ def select(variants: list[str], conversions: dict[str, Optional[dict]], benchmar
         if winner.figures.get("noisy"):
             msg += (" (its measurements are flagged noisy: a per-call CV above benchmark.max_cv after a "
                     "re-measure, or rounds whose p50s spread more than that; see metrics/benchmark)")
-        drifted = {c.variant: _host(c) for c in eligible if abs(_host(c) - 1) > criteria.noise_floor}
-        if drifted:
-            msg += ("; ranked as if all were measured at the host's median speed (the host was slower or faster "
-                    "while measuring " + ", ".join(f"{v} ×{f:.2f}" for v, f in drifted.items()) + ")")
         if tie["best_by_figure"] != winner.variant:
             msg += (f"; chosen over {tie['best_by_figure']} because their figures are within measured noise "
                     f"and {winner.variant} is simpler (order {' > '.join(SIMPLICITY_ORDER)})")

@@ -52,19 +52,6 @@ def test_variants_are_judged_at_the_batch_their_workers_can_fill():
     assert f["workers"] == 2 and f["batch_size"] == 4 and f["throughput_sps"] == 320.0
 
 
-def test_variants_measured_while_the_host_was_slow_are_ranked_at_its_median_speed():
-    fast_host, slow_host = bench(curve(1.10), cv=0.01), bench(curve(1.0), cv=0.01)
-    # bf16 looks 10% faster, but was measured while the host ran its reference kernel 20% faster
-    fast_host["host_reference"], slow_host["host_reference"] = {"median_ms": 0.9}, {"median_ms": 1.1}
-    d = run({"bf16": fast_host, "onnx": slow_host})
-    assert d["winner"] == "onnx" and d["variants"]["bf16"]["figures"]["host_factor"] == 0.9
-    assert d["variants"]["onnx"]["figures"]["throughput_sps"] == 380.0      # raw figures stay as measured
-    assert "median speed" in d["message"]
-    # without references (or one only) nothing is adjusted
-    d = run({"bf16": bench(curve(1.10), cv=0.01), "onnx": bench(curve(1.0), cv=0.01)})
-    assert d["winner"] == "bf16" and d["variants"]["bf16"]["figures"]["host_factor"] == 1.0
-
-
 def test_tie_within_noise_prefers_the_simpler_variant():
     # bf16 is 2% faster, inside the noise of the two runs (cv 0.05 each → band 7%): onnx wins.
     d = run({"bf16": bench(curve(1.02), cv=0.05), "onnx": bench(curve(1.0), cv=0.05),

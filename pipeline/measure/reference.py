@@ -1,12 +1,12 @@
 """The host's speed while a variant is measured: a fixed workload timed beside the model.
 
 On shared virtual machines the same code runs 10–25% slower for minutes at a time (the physical
-core's other tenants; the guest sees no steal time), so two benchmark runs — or two variants
-measured minutes apart — differ by more than their own noise. A fixed single-threaded matmul timed
-in the same process, in short windows between the model's, slows down with the host: over ~30 s
-its time tracked the model's at r = 0.93 here, and dividing by it cut a 20% drift to 6%. Figures
-divided by it (`p50_ref`) compare across runs; selection uses it to put variants measured at
-different moments on one footing (`host_factor`).
+core's other tenants; the guest sees no steal time), so two benchmark runs can differ by more than
+their own noise. A fixed single-threaded matmul, timed in short windows between the model's calls in
+the same process, shows how fast the host ran meanwhile: when two runs disagree, their references
+say whether the host did. An indicator, not a correction: here it tracked a cache-resident model
+(bf16 MiniLM, r = 0.93 over ~30 s windows) but not a memory-bound one (fp32 eager, r = 0.5), so
+figures are never rescaled by it; `p50_ref` (p50 / reference) is reported beside the p50.
 """
 from __future__ import annotations
 
@@ -60,16 +60,6 @@ class HostReference:
         return {"kernel": KERNEL, "median_ms": None if med is None else round(med, 4),
                 "round_median_ms": [round(statistics.median(r), 4) for r in self.rounds_ms if r],
                 "drift": round(self.drift, 4)}
-
-
-def host_factors(reference_ms: dict[str, Optional[float]]) -> dict[str, float]:
-    """Per name, its reference time over the median of all of them (1.0 where unknown): figures
-    measured while the host was slow (factor > 1) are scaled back by it to compare."""
-    known = [v for v in reference_ms.values() if v]
-    if len(known) < 2:
-        return {k: 1.0 for k in reference_ms}
-    mid = statistics.median(known)
-    return {k: (v / mid if v else 1.0) for k, v in reference_ms.items()}
 
 
 def per_reference(value_ms: float, reference_median_ms: Optional[float]) -> Optional[float]:
