@@ -141,7 +141,7 @@ class ServeParams:
     startup_floor_s: int = 30
     response_safety: float = 5.0
     response_floor_s: int = 5
-    expected_concurrency: int = 16
+    expected_concurrency: int = 16             # requests in flight in production: batchSize <= this // workers
     min_batch_gain: float = 0.05               # a bigger batch must add this much throughput (or more than the noise)
     noise_floor: float = 0.03                  # smallest relative difference ever treated as real (ties below)
     delay_headroom_share: float = 0.5          # maxBatchDelay uses at most this share of the SLO headroom
@@ -323,8 +323,15 @@ def _check_semantics(p: Params) -> None:
     for dtype in ("float32", "float16", "bfloat16"):
         if dtype not in p.conversion.tolerances:
             raise _bad("conversion.tolerances", sorted(p.conversion.tolerances), "float32, float16 and bfloat16 all present")
-    if p.serve.latency_slo_ms <= 0:
-        raise _bad("serve.latency_slo_ms", p.serve.latency_slo_ms, "a positive number of milliseconds")
+    sv = p.serve
+    for key, value, ok, allowed in (
+            ("latency_slo_ms", sv.latency_slo_ms, sv.latency_slo_ms > 0, "a positive number of milliseconds"),
+            ("expected_concurrency", sv.expected_concurrency, sv.expected_concurrency >= 1,
+             "an integer >= 1 (requests in flight in production)"),
+            ("memory_share", sv.memory_share, 0 < sv.memory_share <= 1, "a share in (0, 1], e.g. 0.8"),
+            ("max_workers_per_gpu", sv.max_workers_per_gpu, sv.max_workers_per_gpu >= 1, "an integer >= 1")):
+        if not ok:
+            raise _bad(f"serve.{key}", value, allowed)
     if not _NAME_OK(m.name):
         raise _bad("model.name", m.name, "letters, digits, '_', '-', '.', starting with a letter or digit")
 

@@ -103,6 +103,9 @@ def test_cross_field_rules():
     assert "increasing" in error_of(params_with(benchmark={"batch_sizes": [4, 2]}))
     assert "`benchmark.steady_runs`" in error_of(params_with(benchmark={"steady_runs": 0}))
     assert "`benchmark.min_iters`" in error_of(params_with(benchmark={"min_iters": 0}))
+    assert "`serve.expected_concurrency`" in error_of(params_with(serve={"expected_concurrency": 0}))
+    assert "`serve.memory_share`" in error_of(params_with(serve={"memory_share": 1.5}))
+    assert "`serve.max_workers_per_gpu`" in error_of(params_with(serve={"max_workers_per_gpu": 0}))
     assert "`model.factory`" in error_of(params_with(model={**MODEL, "source": "state_dict", "factory": "nocolon"}))
 
 
