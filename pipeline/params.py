@@ -92,15 +92,17 @@ class BenchmarkParams:
     threads: int = 0                           # intra-op threads; 0 → what one serving worker gets
     cold_runs: int = 5                         # fresh processes per variant (at least steady_runs)
     # Steady state is measured in this many of those processes, spread over the benchmark: a figure
-    # from one process carries that process's luck (memory placement, allocator, host load).
-    steady_runs: int = 3
+    # from one process carries that process's luck (memory placement, allocator, host load). Five
+    # short rounds rather than three longer ones: on a shared host the rounds disagree far more than
+    # the calls inside one do, so for the same measuring time more rounds give a steadier figure.
+    steady_runs: int = 5
     # Later rounds visit their sizes round-robin in this many short windows, so every size's samples
     # span the round: host noise that comes and goes over seconds weighs on all sizes alike.
     interleave_passes: int = 4
     warmup_iters: int = 5                      # per batch size and round...
     warmup_max_s: float = 1.0                  # ...cut short after this (at least 2 calls)
-    min_iters: int = 10                        # per batch size and round: BOTH this many calls...
-    min_duration_s: float = 0.5                # ...AND this long
+    min_iters: int = 6                         # per batch size and round: BOTH this many calls...
+    min_duration_s: float = 0.3                # ...AND this long
     max_cv: float = 0.15                       # re-measure once above this, then flag as noisy; also
                                                # flags a point whose rounds' p50s spread more than this
     min_gain: float = 0.05                     # stop the sweep when throughput gains fall under this...

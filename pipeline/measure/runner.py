@@ -36,12 +36,12 @@ class BenchmarkSettings:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     threads: int = 0                 # 0 → what one serving worker gets (see device.serving_threads)
     cold_runs: int = 5
-    steady_runs: int = 3
+    steady_runs: int = 5
     interleave_passes: int = 4
     warmup_iters: int = 5
     warmup_max_s: float = 1.0
-    min_iters: int = 10
-    min_duration_s: float = 0.5
+    min_iters: int = 6
+    min_duration_s: float = 0.3
     max_cv: float = 0.15
     min_gain: float = 0.05
     sweep_patience: int = 2
