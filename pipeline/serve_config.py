@@ -285,7 +285,7 @@ def plan_workers(benchmark: dict, env: dict, serve: Any,
             {"gpus": n_gpu, "gpu_memory_mb": gpu.get("memory_mb"), "peak_gpu_mb": gpu_mb,
              "max_workers_per_gpu": s.get("max_workers_per_gpu"), "memory_share": share,
              "host_memory_mb": host_mb, "peak_rss_mb": rss_mb})
-        served = int((s.get("overrides") or {}).get("workers") or w)
+        served = _workers_override(s) or w
         threads = Derived(max(1, min(bench_threads, cores // max(1, served))),
             "min(benchmark threads, cores // workers): CPU-side pre/post-processing threads",
             {"benchmark_threads": bench_threads, "cores": cores, "workers": served, **core_inputs})
@@ -302,14 +302,16 @@ def plan_workers(benchmark: dict, env: dict, serve: Any,
     return workers, threads
 
 
+def _workers_override(s: dict) -> Optional[int]:
+    override = (s.get("overrides") or {}).get("workers")
+    return int(override) if override else None
+
+
 def served_workers(benchmark: dict, env: Optional[dict], serve: Any) -> int:
     """The worker count configure will write: serve.overrides.workers, else `plan_workers`; 1 when
     the host is unknown (no env.json)."""
     s = _serve_dict(serve)
-    override = (s.get("overrides") or {}).get("workers")
-    if override:
-        return int(override)
-    return plan_workers(benchmark, env, s)[0].value if env else 1
+    return _workers_override(s) or (plan_workers(benchmark, env, s)[0].value if env else 1)
 
 
 def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optional[dict] = None,

@@ -17,7 +17,7 @@ from typing import Optional
 from pipeline.params import ParamsError, load_params
 from pipeline.paths import BENCHMARK_METRICS, ENV_JSON, SELECTION_JSON, VARIANTS_DIR
 from pipeline.selection import Criteria, SelectionError, check_decision, select
-from pipeline.serve_config import DerivationError, served_workers
+from pipeline.serve_config import served_workers
 
 log = logging.getLogger("stages.select")
 
@@ -51,13 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     benchmarks = {v: _read(Path(args.benchmarks_dir) / f"{v}.json") for v in params.variants}
     env = _read(Path(args.env))
 
-    def workers_for(benchmark: dict) -> int:
-        # configure's worker count, so each variant is judged at the batch it would be served at
-        try:
-            return served_workers(benchmark, env, params.serve)
-        except DerivationError:
-            return 1
-    decision = select(params.variants, conversions, benchmarks, criteria, workers_for)
+    # configure's worker count, so each variant is judged at the batch it would be served at
+    # (select asks only for variants whose steady curve it could read)
+    decision = select(params.variants, conversions, benchmarks, criteria,
+                      lambda benchmark: served_workers(benchmark, env, params.serve))
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

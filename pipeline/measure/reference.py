@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 KERNEL = "float32 256x256 matmul (numpy BLAS, the benchmark's thread count)"
 SIZE = 256
@@ -66,5 +66,3 @@ def per_reference(value_ms: float, reference_median_ms: Optional[float]) -> Opti
     """A time in units of the reference kernel (dimensionless; comparable across runs and hosts'
     moods, not across different CPUs)."""
     return round(value_ms / reference_median_ms, 4) if reference_median_ms else None
-
-

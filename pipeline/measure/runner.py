@@ -146,7 +146,8 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
         log.info("%s: batch %s: p50 %.2f ms (rounds %s), p99 %.2f ms, cv %.1f%%, spread %.1f%%, %.1f samples/s%s",
                  variant, key, point["p50_ms"], point["round_p50_ms"], point["p99_ms"], 100 * point["cv"],
                  100 * point["spread"], point["throughput_sps"], "  NOISY" if point["noisy"] else "")
-    log.info("%s: host reference %s", variant, host_reference(runs.rounds).as_dict())
+    reference = host_reference(runs.rounds).as_dict()
+    log.info("%s: host reference %s", variant, reference)
     stopped_early = runs.rounds[0]["stopped_early"]
     if stopped_early:
         log.info("%s: sweep stopped after batch %s: %s", variant, stopped_early["after_batch"], stopped_early["why"])
@@ -157,7 +158,7 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
         "steady": steady,
         "stopped_early": stopped_early,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs.rounds),
-        "host_reference": host_reference(runs.rounds).as_dict(),
+        "host_reference": reference,
         "noisy": any(p["noisy"] for p in steady.values()),
         "settings": asdict(settings),
         "duration_s": round(time.monotonic() - started, 2),
