@@ -1,14 +1,17 @@
 """Load a checkpoint safely and wrap it as a task model with named, batch-first inputs/outputs.
 
 Sources (params `model.source`):
-- `hf`: a Hugging Face folder (config.json + model.safetensors | pytorch_model.bin, tokenizer.json).
-- `state_dict`: .safetensors / .pt / .pth / .bin weights + `model.factory` that builds the module.
+- `hf`: a Hugging Face folder (config.json + model.safetensors | pytorch_model.bin, or their sharded
+  form with its `*.index.json`; tokenizer.json).
+- `state_dict`: .safetensors / .pt / .pth / .bin weights (or a sharded `*.index.json`) + `model.factory`
+  that builds the module.
 - `torchscript`: a TorchScript archive (.pt) loaded with torch.jit.load.
 
 Safety: weights are read with safetensors or `torch.load(weights_only=True)`. A pickle that needs
 more than tensors and plain containers is refused (no code of it runs) unless the user sets
-`model.trust_checkpoint: true`. Every problem (missing/corrupt file, missing or unexpected keys,
-factory not importable) is a `CheckpointError` raised before any conversion starts.
+`model.trust_checkpoint: true`. Every problem (missing/corrupt file, a missing weight that feeds the
+task's outputs, mis-shaped keys, factory not importable) is a `CheckpointError` raised before any
+conversion starts; missing weights the task never uses and unexpected keys are logged (pipeline/weights.py).
 
 The returned module takes tensors in `LoadedModel.inputs` order and returns a tensor or a tuple of
 tensors in `LoadedModel.outputs` order; the task wrappers avoid Python ints taken from shapes so
@@ -22,12 +25,10 @@ import inspect
 import json
 import logging
 import os
-import pickle
 import sys
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 # Nothing here may reach a hub: weights come from local files only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,14 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.params import REPO_ROOT, Params, ParamsError, checkpoint_path, resolve_path
+# Weight reading lives in pipeline.weights; re-exported here for callers of the checkpoint API.
+from pipeline.weights import (STATE_DICT_SUFFIXES, CheckpointError, KeyReport, _first_line,  # noqa: F401
+                              check_readable, find_hf_weights, judge_missing, key_problem, load_into,
+                              read_weights, state_dict_files)
 
 log = logging.getLogger(__name__)
-
-STATE_DICT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
-
-
-class CheckpointError(ValueError):
-    """The checkpoint cannot be loaded; the message names the file/key problem and the fix."""
 
 
 @dataclass
@@ -71,82 +70,6 @@ class LoadedModel:
     def example_inputs(self, feeds: dict) -> tuple:
         """Order a feeds dict (numpy arrays or tensors) as the module's positional arguments."""
         return tuple(torch.as_tensor(feeds[spec.name]) for spec in self.inputs)
-
-
-# --------------------------------------------------------------------------- safe weight reading
-def _trust_hint(path: Path) -> str:
-    return (f"Re-save the weights as .safetensors (or a plain state_dict of tensors), or, only if you "
-            f"trust whoever made {path.name}, set `model.trust_checkpoint: true` in params.yaml — "
-            f"that runs code stored in the file (dangerous).")
-
-
-def read_weights(path: Path, trust: bool = False) -> dict[str, torch.Tensor]:
-    """A flat {key: tensor} from .safetensors or a torch pickle, without running code from it."""
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file not found: {path}; check `model.checkpoint` in params.yaml")
-    if path.suffix == ".safetensors":
-        return _read_safetensors(path)
-    obj = _torch_load(path, trust)
-    return _as_state_dict(obj, path)
-
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    try:
-        return load_file(str(path), device="cpu")
-    except Exception as e:  # SafetensorError, OSError: truncated header/data, bad JSON header
-        raise CheckpointError(
-            f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); the file is truncated "
-            f"or corrupt — download/copy it again") from None
-
-
-def _torch_load(path: Path, trust: bool) -> Any:
-    if not zipfile.is_zipfile(path) and path.stat().st_size == 0:
-        raise CheckpointError(f"{path}: file is empty; copy the checkpoint again")
-    try:
-        return torch.load(str(path), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if not trust:
-            raise CheckpointError(
-                f"{path}: refused to unpickle: the file needs more than tensors and plain containers "
-                f"to load ({_first_line(e)}), so loading it would run code stored in it. "
-                + _trust_hint(path)) from None
-        log.warning("model.trust_checkpoint is true: unpickling %s with full pickle (runs its code)", path)
-        try:
-            return torch.load(str(path), map_location="cpu", weights_only=False)
-        except Exception as e2:
-            raise CheckpointError(f"{path}: could not be loaded even as a trusted pickle: {e2}") from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
-        raise CheckpointError(
-            f"{path}: not a readable torch checkpoint ({type(e).__name__}: {_first_line(e)}); the file is "
-            f"truncated or corrupt — copy it again, or re-save it with torch.save(model.state_dict(), ...)"
-        ) from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
-
-
-def _as_state_dict(obj: Any, path: Path) -> dict[str, torch.Tensor]:
-    if isinstance(obj, nn.Module):          # only reachable with trust_checkpoint
-        obj = obj.state_dict()
-    if isinstance(obj, dict):
-        # Common training-script wrappers: {"state_dict": {...}}, {"model": {...}}.
-        for wrapper in ("state_dict", "model_state_dict", "model"):
-            inner = obj.get(wrapper)
-            if isinstance(inner, dict) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
-                obj = inner
-                break
-        tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
-        if tensors and len(tensors) == len(obj):
-            return tensors
-        if tensors:
-            others = sorted(str(k) for k, v in obj.items() if not isinstance(v, torch.Tensor))
-            raise CheckpointError(f"{path}: mixes tensors with other entries ({', '.join(others[:10])}); "
-                                  f"save only model.state_dict()")
-    raise CheckpointError(f"{path}: holds a {type(obj).__name__}, not a state_dict of tensors; "
-                          f"save it with torch.save(model.state_dict(), path) or as .safetensors")
 
 
 # --------------------------------------------------------------------------- factory
@@ -199,32 +122,6 @@ def build_from_factory(spec: str, kwargs: dict) -> nn.Module:
         raise CheckpointError(f"`model.factory` = {spec!r} returned a {type(module).__name__}; "
                               f"it must return a torch.nn.Module")
     return module
-
-
-def load_state_dict_strict(module: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
-    """Load and fail listing every missing/unexpected/mis-shaped key."""
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    mismatched = sorted(f"{k} (checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)})"
-                        for k in set(expected) & set(state) if tuple(state[k].shape) != tuple(expected[k].shape))
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing keys ({len(missing)}): {_listing(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys ({len(unexpected)}): {_listing(unexpected)}")
-        if mismatched:
-            parts.append(f"shape mismatches ({len(mismatched)}): {_listing(mismatched)}")
-        raise CheckpointError(
-            f"{path} does not match the module built by `model.factory`: " + "; ".join(parts)
-            + ". Fix `model.factory` / `model.factory_kwargs` so the architecture matches the checkpoint.")
-    module.load_state_dict(state, strict=True)
-
-
-def _listing(keys: list[str], limit: int = 20) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f", … (+{len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 # --------------------------------------------------------------------------- task wrappers
@@ -298,17 +195,6 @@ def _describe_outputs(module: nn.Module, example: torch.Tensor) -> tuple[list[st
 
 
 # --------------------------------------------------------------------------- sources
-def _hf_weights(folder: Path) -> Path:
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if (folder / name).is_file():
-            return folder / name
-    sharded = sorted(folder.glob("model-*.safetensors")) + sorted(folder.glob("pytorch_model-*.bin"))
-    if sharded:
-        raise CheckpointError(f"{folder}: sharded checkpoints are not supported; merge them into model.safetensors")
-    raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin; point `model.checkpoint` "
-                          f"at a Hugging Face model folder")
-
-
 def _quiet_transformers():
     import transformers
     transformers.utils.logging.set_verbosity_error()
@@ -322,9 +208,11 @@ def _load_hf(params: Params, folder: Path) -> tuple[nn.Module, list[Path]]:
                               f"source 'hf' needs a Hugging Face model folder (config.json + weights)")
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder}: config.json is missing; source 'hf' needs a Hugging Face model folder")
-    weights = _hf_weights(folder)
-    # Validate the weights ourselves first: clear errors, and a .bin never gets full unpickling.
-    read_weights(weights, trust=params.model.trust_checkpoint)
+    weights = find_hf_weights(folder)
+    # Check the files ourselves first (headers, weights_only unpickling, no tensor data read): clear
+    # errors, and a .bin never gets full unpickling. transformers then reads shard by shard into a
+    # model built without memory (meta device) — peak memory near one copy, sharded or not.
+    check_readable(weights, trust=params.model.trust_checkpoint)
     transformers = _quiet_transformers()
     auto = (transformers.AutoModelForImageClassification if params.model.task == "image-classification"
             else transformers.AutoModel)
@@ -334,19 +222,15 @@ def _load_hf(params: Params, folder: Path) -> tuple[nn.Module, list[Path]]:
     except Exception as e:
         raise CheckpointError(f"{folder}: transformers could not build the model: {type(e).__name__}: "
                               f"{_first_line(e)}") from None
-    missing = sorted(info.get("missing_keys") or [])
-    mismatched = sorted(str(k) for k in (info.get("mismatched_keys") or []))
-    if missing or mismatched:
-        raise CheckpointError(
-            f"{weights} does not match {folder / 'config.json'}: "
-            + (f"missing keys ({len(missing)}): {_listing(missing)}" if missing else "")
-            + (f"; shape mismatches: {_listing(mismatched)}" if mismatched else "")
-            + ". Those weights would be random; use the weights that belong to this config.")
-    unexpected = sorted(info.get("unexpected_keys") or [])
-    if unexpected:
-        log.info("ignoring %d checkpoint keys the %s does not use: %s", len(unexpected),
-                 type(model).__name__, _listing(unexpected, 5))
-    return model, [folder / "config.json", weights]
+    report = KeyReport(source=f"{weights.describe()} (for {folder / 'config.json'})",
+                       fix="Use the weights that belong to this config.",
+                       unexpected=sorted(info.get("unexpected_keys") or []),
+                       mismatched=sorted(str(k) for k in (info.get("mismatched_keys") or [])))
+    if report.mismatched:
+        raise CheckpointError(key_problem(report, sorted(info.get("missing_keys") or [])))
+    state = model.state_dict(keep_vars=True)
+    report.missing = {k: state[k] for k in sorted(info.get("missing_keys") or []) if k in state}
+    return model, [folder / "config.json", *weights.paths], report
 
 
 def _sentence_transformers_pooling(folder: Path) -> tuple[str, bool]:
@@ -376,21 +260,18 @@ def _sentence_transformers_pooling(folder: Path) -> tuple[str, bool]:
     return pooling, normalize
 
 
-def _load_module(params: Params, path: Path) -> tuple[nn.Module, list[Path]]:
+def _load_module(params: Params, path: Path) -> tuple[nn.Module, list[Path], Optional[KeyReport]]:
+    """The bare module, its source files, and how its keys matched (None: nothing to judge)."""
     m = params.model
     if m.source == "hf":
         return _load_hf(params, path)
     if m.source == "state_dict":
-        if path.is_dir():
-            raise CheckpointError(f"`model.checkpoint` -> {path} is a folder; source 'state_dict' needs one "
-                                  f"weights file ({', '.join(STATE_DICT_SUFFIXES)})")
-        if path.suffix not in STATE_DICT_SUFFIXES:
-            raise CheckpointError(f"`model.checkpoint` -> {path}: suffix {path.suffix!r} is not one of "
-                                  f"{', '.join(STATE_DICT_SUFFIXES)}")
-        state = read_weights(path, trust=m.trust_checkpoint)     # before the factory: fail fast, no code
+        files = state_dict_files(path)
+        check_readable(files, trust=m.trust_checkpoint)     # before the factory: fail fast, no code
         module = build_from_factory(m.factory, dict(m.factory_kwargs))
-        load_state_dict_strict(module, state, path)
-        return module, [path]
+        report = load_into(module, files, m.trust_checkpoint,
+                           fix="Fix `model.factory` / `model.factory_kwargs` so the architecture matches the checkpoint.")
+        return module, files.paths, report
     # torchscript
     if not path.is_file():
         raise CheckpointError(f"checkpoint file not found: {path}; check `model.checkpoint` in params.yaml")
@@ -399,7 +280,7 @@ def _load_module(params: Params, path: Path) -> tuple[nn.Module, list[Path]]:
     except Exception as e:
         raise CheckpointError(f"{path}: not a loadable TorchScript archive ({type(e).__name__}: {_first_line(e)}); "
                               f"save it with torch.jit.save, or use source 'state_dict' with a factory") from None
-    return module, [path]
+    return module, [path], None
 
 
 def load_model(params: Params) -> LoadedModel:
@@ -413,18 +294,36 @@ def load_model(params: Params) -> LoadedModel:
         raise CheckpointError(f"`model.checkpoint` = {m.checkpoint!r} -> {path} does not exist; give a path "
                               f"relative to the repo root, an absolute path, or pkg:<package>/<path>")
     if m.task == "text-embedding":
-        loaded = _text_embedding(params, path)
+        loaded, report = _text_embedding(params, path)
     else:
-        module, sources = _load_module(params, path)
+        module, sources, report = _load_module(params, path)
         module = module.float().eval() if not isinstance(module, torch.jit.ScriptModule) else module.eval()
         loaded = (_image_classification if m.task == "image-classification" else _tensor)(params, module, sources)
+    if report is not None:
+        # Missing weights matter only where they feed what the task computes (e.g. BERT's pooler does
+        # not feed a text embedding): judged on the wrapped task module.
+        judge_missing(report, loaded.module, probe_args(loaded), m.task)
     # Inference only: outputs never carry autograd state (numpy() works on them directly).
     for param in loaded.module.parameters():
         param.requires_grad_(False)
     return loaded
 
 
-def _text_embedding(params: Params, path: Path) -> LoadedModel:
+def probe_args(loaded: LoadedModel) -> tuple:
+    """One small batch-1 input of the right shapes and dtypes (token ids 1: inside any vocabulary)."""
+    task = loaded.task
+    args = []
+    for spec in loaded.inputs:
+        if spec.dtype.startswith("int"):
+            args.append(torch.ones(1, 8, dtype=torch.int64))
+        elif task.get("kind") == "image-classification":
+            args.append(torch.zeros(1, 3, task["size"], task["size"]))
+        else:
+            args.append(torch.zeros(1, *task.get("input_shape", [])))
+    return tuple(args)
+
+
+def _text_embedding(params: Params, path: Path) -> tuple[LoadedModel, Optional[KeyReport]]:
     if params.model.source != "hf":
         raise CheckpointError(f"task 'text-embedding' needs `model.source: hf` (a Hugging Face folder with "
                               f"tokenizer.json), got {params.model.source!r}")
@@ -432,17 +331,18 @@ def _text_embedding(params: Params, path: Path) -> LoadedModel:
     if not tokenizer.is_file():
         raise CheckpointError(f"{path}: tokenizer.json is missing; text-embedding needs the fast tokenizer file "
                               f"(save it with tokenizer.save_pretrained)")
-    encoder, sources = _load_module(params, path)
+    encoder, sources, report = _load_module(params, path)
     pooling, normalize = _sentence_transformers_pooling(path)
     module = TextEmbeddingModel(encoder.float().eval(), pooling, normalize).eval()
     hidden = getattr(getattr(encoder, "config", None), "hidden_size", None)
     task = {"kind": "text-embedding", "max_length": params.model.text.max_length, "pooling": pooling,
             "normalize": normalize, "dim": hidden, "tokenizer": "tokenizer.json"}
     seq = {0: "batch", 1: "sequence"}
-    return LoadedModel(module=module,
-                       inputs=[InputSpec("input_ids", "int64", dict(seq)), InputSpec("attention_mask", "int64", dict(seq))],
-                       outputs=["embedding"], task=task, extra_files={"tokenizer.json": tokenizer},
-                       source_files=sources + [tokenizer])
+    loaded = LoadedModel(module=module,
+                         inputs=[InputSpec("input_ids", "int64", dict(seq)), InputSpec("attention_mask", "int64", dict(seq))],
+                         outputs=["embedding"], task=task, extra_files={"tokenizer.json": tokenizer},
+                         source_files=sources + [tokenizer])
+    return loaded, report
 
 
 def _image_classification(params: Params, module: nn.Module, sources: list[Path]) -> LoadedModel:

@@ -21,7 +21,9 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PARAMS = REPO_ROOT / "params.yaml"
 
-VARIANTS = ("eager", "torchscript", "fp16", "bf16", "onnx", "onnx-fp16", "aoti")
+VARIANTS = ("eager", "torchscript", "fp16", "bf16", "onnx", "onnx-fp16", "aoti",
+            "onnx-int8-dynamic", "onnx-int8-static", "int8")
+INT8_VARIANTS = ("onnx-int8-dynamic", "onnx-int8-static", "int8")   # dtype int8: conversion.tolerances.int8
 TASKS = ("text-embedding", "image-classification", "tensor")
 SOURCES = ("hf", "state_dict", "torchscript")
 PKG_PREFIX = "pkg:"
@@ -65,6 +67,17 @@ class Tolerance:
     atol: float
     rtol: float
     min_cosine: float
+    # gate 'elementwise' (the float dtypes): every element within atol + rtol*|ref|, every sample's
+    # cosine >= min_cosine. gate 'task' (int8): judged in the task's language (pipeline/task_gate.py):
+    # text-embedding: per-sample cosine >= min_cosine AND recall@k of the reference's nearest
+    # neighbours >= min_recall_at_k; image-classification: top-1 agreement >= min_top1_agreement AND
+    # mean top-k overlap >= min_topk_overlap; tensor: atol/rtol/cosine as 'elementwise'.
+    gate: Literal["elementwise", "task"] = "elementwise"
+    min_recall_at_k: float = 0.95
+    recall_k: int = 10                         # k = min(recall_k, samples - 1) on small golden sets
+    min_top1_agreement: float = 0.97
+    min_topk_overlap: float = 0.8
+    topk: int = 5
 
 
 def _default_tolerances() -> dict:
@@ -72,7 +85,18 @@ def _default_tolerances() -> dict:
         "float32": Tolerance(atol=1e-4, rtol=1e-3, min_cosine=0.99999),
         "float16": Tolerance(atol=2e-2, rtol=5e-2, min_cosine=0.999),
         "bfloat16": Tolerance(atol=8e-2, rtol=1e-1, min_cosine=0.995),
+        "int8": Tolerance(atol=5e-2, rtol=1e-1, min_cosine=0.995, gate="task"),
     }
+
+
+@dataclass(frozen=True)
+class Int8Params:
+    calibration: Literal["minmax", "entropy", "percentile"] = "minmax"   # onnx-int8-static's range method
+    calibration_samples: int = 64              # representative requests (task's example distribution, own seed)
+    per_channel: bool = True                   # per-output-channel weight scales
+    reduce_range: bool = False                 # 7-bit weights: set true for AVX2 hosts without VNNI (u8s8 saturation)
+    sensitivity_budget_s: float = 300.0        # time for the per-layer sensitivity fallback
+    max_fp32_share: float = 0.5                # keep at most this share of the quantizable ops in fp32
 
 
 @dataclass(frozen=True)
@@ -83,6 +107,7 @@ class ConversionParams:
     min_topk_agreement: float = 0.99           # classification: share of samples whose top-1 matches
     golden_seed: int = 0
     golden_batches: int = 3                    # distinct batches per verified batch size
+    int8: Int8Params = field(default_factory=Int8Params)
 
 
 @dataclass(frozen=True)
@@ -325,6 +350,7 @@ def _check_semantics(p: Params) -> None:
     for dtype in ("float32", "float16", "bfloat16"):
         if dtype not in p.conversion.tolerances:
             raise _bad("conversion.tolerances", sorted(p.conversion.tolerances), "float32, float16 and bfloat16 all present")
+    _check_int8(p)
     sv = p.serve
     for key, value, ok, allowed in (
             ("latency_slo_ms", sv.latency_slo_ms, sv.latency_slo_ms > 0, "a positive number of milliseconds"),
@@ -336,6 +362,30 @@ def _check_semantics(p: Params) -> None:
             raise _bad(f"serve.{key}", value, allowed)
     if not _NAME_OK(m.name):
         raise _bad("model.name", m.name, "letters, digits, '_', '-', '.', starting with a letter or digit")
+
+
+def _check_int8(p: Params) -> None:
+    listed = [v for v in p.variants if v in INT8_VARIANTS]
+    if listed and "int8" not in p.conversion.tolerances:
+        raise _bad("conversion.tolerances", sorted(p.conversion.tolerances),
+                   f"an `int8` entry too, since variants lists {listed} (e.g. int8: {{atol: 0.05, rtol: 0.1, "
+                   f"min_cosine: 0.995, gate: task, min_recall_at_k: 0.95}})")
+    for dtype, t in p.conversion.tolerances.items():
+        key = f"conversion.tolerances.{dtype}"
+        for name in ("min_recall_at_k", "min_top1_agreement", "min_topk_overlap", "min_cosine"):
+            if not 0.0 <= getattr(t, name) <= 1.0:
+                raise _bad(f"{key}.{name}", getattr(t, name), "a share in [0, 1]")
+        for name in ("recall_k", "topk"):
+            if getattr(t, name) < 1:
+                raise _bad(f"{key}.{name}", getattr(t, name), "an integer >= 1")
+    q = p.conversion.int8
+    for key, value, ok, allowed in (
+            ("calibration_samples", q.calibration_samples, q.calibration_samples >= 8, "an integer >= 8"),
+            ("sensitivity_budget_s", q.sensitivity_budget_s, q.sensitivity_budget_s >= 0,
+             "seconds >= 0 (0: no fallback, the whole model is quantized)"),
+            ("max_fp32_share", q.max_fp32_share, 0.0 <= q.max_fp32_share <= 1.0, "a share in [0, 1]")):
+        if not ok:
+            raise _bad(f"conversion.int8.{key}", value, allowed)
 
 
 def _NAME_OK(name: str) -> bool:
