@@ -3,6 +3,11 @@
 The graph is optimised once at build time (pipeline/variants/onnx.py saves ORT's optimised model),
 so sessions load it with graph optimisation disabled: a faster start (measured.md).
 
+Big models keep their tensors in external data files (variant.json "external_data", e.g.
+model.onnx.data). ONNX Runtime resolves those relative to the model file, so such a variant is
+loaded by its path inside the model directory and ORT reads (memory-maps on CPU) the data itself;
+a one-file model is read as bytes first, which times the raw read separately.
+
 GPU: onnxruntime-gpu lists CUDA (and TensorRT) among its providers even on a machine without a GPU
 and then silently runs on CPU. So the providers are chosen explicitly and, after the session is
 created, checked to really be active; a silent CPU fallback is an error, not a slow surprise.
@@ -70,11 +75,12 @@ class OnnxSessionRuntime(Runtime):
     def __init__(self, variant: dict, model_dir: Path, device: str, threads: Optional[int], tensorrt: bool):
         super().__init__(variant, model_dir, device, threads)
         t0 = time.perf_counter()
-        data = read_artifact(model_dir, variant)
+        external = variant.get("external_data") or []
+        source = external_model_path(model_dir, variant, external) if external else read_artifact(model_dir, variant)
         t1 = time.perf_counter()
         self.requested_providers = choose_providers(device, ort.get_available_providers(), tensorrt)
         self.session = ort.InferenceSession(
-            data, sess_options=session_options(threads, bool(variant.get("graph_optimized", False))),
+            source, sess_options=session_options(threads, bool(variant.get("graph_optimized", False))),
             providers=self.requested_providers)
         self.provider = check_providers_active(device, self.requested_providers, self.session.get_providers())
         t2 = time.perf_counter()
@@ -89,6 +95,19 @@ class OnnxSessionRuntime(Runtime):
 
     def close(self) -> None:
         self.session = None
+
+
+def external_model_path(model_dir: Path, variant: dict, external: list[str]) -> str:
+    """The model file's path, after checking its external data files are beside it."""
+    missing = [name for name in external if not (model_dir / name).is_file()]
+    if missing:
+        raise RuntimeLoadError(f"{model_dir}: external data file(s) {missing} of {variant['artifact']} are missing; "
+                               f"copy the whole variant folder (variant.json lists every file) or rebuild it")
+    path = model_dir / variant["artifact"]
+    if not path.is_file():
+        raise RuntimeLoadError(f"{path} not found: variant.json names `{variant['artifact']}` but the "
+                               f"folder lacks it; rebuild the variant")
+    return str(path)
 
 
 def load(variant: dict, model_dir: Path, device: str, threads: Optional[int], tensorrt: bool = False) -> Runtime:

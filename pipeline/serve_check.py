@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from pipeline import task_gate
 from pipeline.torchserve import Client, ModelNotReady, TorchServe, TorchServeError, read_properties
 
 log = logging.getLogger(__name__)
@@ -140,9 +141,22 @@ def compare_response(got: Any, expected: Any, atol: float, rtol: float) -> tuple
     return (not msg, worst[0], msg)
 
 
+def response_within(got: Any, expected: Any, atol: float, rtol: float,
+                    gate: Optional[dict] = None) -> tuple[bool, float, str]:
+    """compare_response; for a tolerance with `gate: task` (int8) and an embedding / classification
+    answer, the task gate's per-response part instead (pipeline/task_gate.py)."""
+    if task_gate.uses_task_gate(gate, task_gate.response_kind(expected)):
+        return task_gate.check_response(got, expected, gate)
+    return compare_response(got, expected, atol, rtol)
+
+
 def check_parity(ts: TorchServe, cases: list[HttpCase], atol: float, rtol: float,
-                 concurrency: int) -> dict:
-    """Every golden case one by one, then all of them concurrently (so they batch)."""
+                 concurrency: int, gate: Optional[dict] = None) -> dict:
+    """Every golden case one by one, then all of them concurrently (so they batch). With a task
+    gate (int8) the sequential answers must also meet its figures over all cases (recall@k, top-1
+    agreement...), recorded under `task_gate`."""
+    answers: list[tuple[Any, Any]] = []
+
     def run(case: HttpCase, client: Client) -> dict:
         r = client.request("POST", ts.predictions_path(), case.body, case.content_type)
         if r.status != 200:
@@ -152,21 +166,31 @@ def check_parity(ts: TorchServe, cases: list[HttpCase], atol: float, rtol: float
             got = r.json()
         except (ValueError, UnicodeDecodeError):
             return {"id": case.id, "ok": False, "max_abs": None, "error": "response is not JSON"}
-        ok, err, msg = compare_response(got, case.expected, atol, rtol)
-        return {"id": case.id, "ok": ok, "max_abs": err, "error": msg or None}
+        ok, err, msg = response_within(got, case.expected, atol, rtol, gate)
+        return {"id": case.id, "ok": ok, "max_abs": err, "error": msg or None, "_answer": (got, case.expected)}
 
     client = ts.client()
     try:
         sequential = [run(c, client) for c in cases]
     finally:
         client.close()
+    answers = [r.pop("_answer") for r in sequential if "_answer" in r]
     concurrent = _concurrently(cases, lambda c, cl: run(c, cl), ts, max(1, concurrency))
+    for r in concurrent:
+        r.pop("_answer", None)
     results = sequential + concurrent
     failures = [r for r in results if not r["ok"]]
     errs = [r["max_abs"] for r in results if r["max_abs"] is not None]
-    return {"ok": not failures, "cases": len(cases), "atol": atol, "rtol": rtol,
-            "max_abs_error": max(errs) if errs else None,
-            "failures": failures[:10]}
+    out = {"ok": not failures, "cases": len(cases), "atol": atol, "rtol": rtol,
+           "max_abs_error": max(errs) if errs else None,
+           "failures": failures[:10]}
+    figures = task_gate.responses_figures(answers, gate) if gate and gate.get("gate") == "task" else None
+    if figures is not None:
+        miss = task_gate.judge(figures, gate)
+        out.update(task_gate=figures, gate=gate, ok=out["ok"] and miss is None)
+        if miss:
+            out["failures"] = [{"id": "all cases", "ok": False, "error": miss}] + out["failures"][:9]
+    return out
 
 
 def _concurrently(items: list, fn, ts: TorchServe, threads: int) -> list:
@@ -241,7 +265,7 @@ def _json_tensor_shape(cases: list[HttpCase]) -> Optional[tuple]:
 
 
 def check_bad_inputs(ts: TorchServe, bad: list[BadCase], good: list[HttpCase],
-                     atol: float, rtol: float) -> dict:
+                     atol: float, rtol: float, gate: Optional[dict] = None) -> dict:
     """Bad and valid requests sent together (so they share batches): every bad one → 4xx, every
     valid one → 200 with the reference answer, and the same workers still READY afterwards."""
     workers_before = ts.worker_pids()
@@ -268,7 +292,7 @@ def check_bad_inputs(ts: TorchServe, bad: list[BadCase], good: list[HttpCase],
             if r is not None and r.request_id:
                 bad_ids.add(r.request_id)
         else:
-            ok = status == 200 and compare_response(r.json(), case.expected, atol, rtol)[0]
+            ok = status == 200 and response_within(r.json(), case.expected, atol, rtol, gate)[0]
             if not ok:
                 good_fail.append({"id": case.id, "status": status, "error": err})
             if r is not None and r.request_id:
@@ -378,7 +402,7 @@ def _pct(a: np.ndarray, q: float) -> Optional[float]:
 
 # --------------------------------------------------------------------------- one server
 def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: float, rtol: float,
-                 requests: int, concurrency: int, time_cap_s: float, bad_inputs: bool = True,
+                 gate: Optional[dict] = None, requests: int, concurrency: int, time_cap_s: float, bad_inputs: bool = True,
                  parity: bool = True, workdir: Optional[Path] = None) -> dict:
     """Start `spec` in isolation, run every check, stop it (always). Never raises for a check that
     fails: the figures say what failed (`ready: false` + `error` when it never became READY)."""
@@ -398,13 +422,14 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
             out["first_request_ms"] = first.ms
             out["first_request_status"] = first.status
             if parity:
-                out["parity"] = check_parity(ts, cases, atol, rtol, concurrency)
+                out["parity"] = check_parity(ts, cases, atol, rtol, concurrency, gate=gate)
                 log.info("%s parity ok=%s max_abs_error=%s", spec.name, out["parity"]["ok"],
                          out["parity"]["max_abs_error"])
             if bad_inputs:
                 limit = int(read_properties(ts.workdir / "config.properties").get(
                     "max_request_size", DEFAULT_MAX_REQUEST_SIZE))
-                out["bad_inputs"] = check_bad_inputs(ts, bad_input_cases(task, cases, limit), cases, atol, rtol)
+                out["bad_inputs"] = check_bad_inputs(ts, bad_input_cases(task, cases, limit), cases, atol, rtol,
+                                                     gate=gate)
                 log.info("%s bad inputs: %s", spec.name,
                          {c["id"]: c["status"] for c in out["bad_inputs"]["cases"]})
             load = run_load(ts, cases, requests, concurrency, time_cap_s)
@@ -429,11 +454,11 @@ def _settings(desc: dict) -> dict:
 
 # --------------------------------------------------------------------------- winner vs baseline
 def serve_check(winner: ServerSpec, baseline: Optional[ServerSpec], cases: list[HttpCase], *,
-                task: str, atol: float, rtol: float, requests: int, concurrency: int,
+                task: str, atol: float, rtol: float, gate: Optional[dict] = None, requests: int, concurrency: int,
                 time_cap_s: float) -> dict:
     """The metrics/serve_check.json record: the winner's figures at the top level, the baseline's
     under `baseline`, `ratios` winner/baseline, and `ok` + `failures` (why the stage must fail)."""
-    w = check_server(winner, cases, task=task, atol=atol, rtol=rtol, requests=requests,
+    w = check_server(winner, cases, task=task, atol=atol, rtol=rtol, gate=gate, requests=requests,
                      concurrency=concurrency, time_cap_s=time_cap_s)
     b = None
     if baseline is not None:

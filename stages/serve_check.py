@@ -54,7 +54,7 @@ def main(argv=None) -> int:
             return 2
     winner = ServerSpec(name, MODEL_STORE, config, env=start_env(SERVE_DIR, name, MODEL_STORE, config))
     record = serve_check(winner, baseline, cases, task=params.model.task,
-                         atol=float(tol["atol"]), rtol=float(tol["rtol"]), requests=sc.requests,
+                         atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,
                          concurrency=sc.concurrency, time_cap_s=sc.time_cap_s)
     SERVE_CHECK_JSON.parent.mkdir(parents=True, exist_ok=True)
     SERVE_CHECK_JSON.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")

@@ -66,6 +66,11 @@ class Artifact:
     format: str                                 # runtime format: eager | torchscript | aoti | onnx
     input_dtypes: dict[str, str]                # what the artifact takes, per input
     extra: dict = field(default_factory=dict)   # more variant.json fields (e.g. graph_optimized)
+    data_files: list[str] = field(default_factory=list)   # files the artifact needs beside it (ONNX external data)
+
+    @property
+    def files(self) -> list[str]:
+        return [self.file, *self.data_files]
 
 
 class Converter:

@@ -68,7 +68,7 @@ def variant_json(converter: Converter, artifact: Artifact, loaded, device: str, 
         "inputs": [{"name": s.name, "dtype": artifact.input_dtypes[s.name]} for s in loaded.inputs],
         "outputs": [{"name": n} for n in loaded.outputs],
         "task": loaded.task,
-        "files": [artifact.file, VARIANT_JSON, *extra_names],
+        "files": [*artifact.files, VARIANT_JSON, *extra_names],
         "method": method,
         **artifact.extra,
     }
@@ -118,7 +118,7 @@ def build_variant(converter: Converter, loaded, golden, out_dir: str | Path, dev
             artifact = converter.build(method, ctx)
             attempt["conversion_s"] = round(time.perf_counter() - t0, 3)
             assemble(out_dir, converter, artifact, loaded, device, method)
-            attempt["artifact_bytes"] = (out_dir / artifact.file).stat().st_size
+            attempt["artifact_bytes"] = sum((out_dir / f).stat().st_size for f in artifact.files)
             attempt["format"] = artifact.format
         except Exception as e:
             attempt.update(status="failed", reason=exception_reason(e), traceback=traceback_tail(e),

@@ -1,7 +1,13 @@
-"""`onnx` (fp32) and `onnx-fp16`: one self-contained .onnx file, optimised at build time.
+"""`onnx` (fp32) and `onnx-fp16`: model.onnx, optimised at build time, with its weights inside or,
+for big models, beside it in model.onnx.data (ONNX external data).
 
 Export: the dynamo exporter first (torch.export underneath, dynamic batch/sequence), the legacy
-TorchScript-based exporter as the fallback; both with `external_data=False` semantics (one file).
+TorchScript-based exporter as the fallback. Protobuf cannot hold more than 2 GB, so a model whose
+fp32 weights reach `Options.external_data_min_bytes` (1 GiB: the optimiser may add initialisers, so
+well below the limit) keeps its tensors in one external data file, at every step (export,
+fp16 conversion, ORT's optimised model). The variant lists that file in variant.json ("files",
+"external_data"), so verification, the archive and the ONNX handler treat it as part of the model;
+ONNX Runtime resolves it relative to model.onnx, so the runtime loads the model by its path.
 The graph is then optimised by ONNX Runtime itself at the EXTENDED level (operator fusions; not the
 ALL level, whose NCHWc layout rewrites tie the file to one CPU's instruction set) for the target
 device's execution provider, and that optimised graph is the artifact: sessions load it with
@@ -11,6 +17,7 @@ optimisation off (faster start, measured.md). fp16: onnxruntime's float16 conver
 from __future__ import annotations
 
 import logging
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +30,7 @@ from pipeline.variants.base import Artifact, BuildContext, Converter, register
 
 log = logging.getLogger(__name__)
 ARTIFACT = "model.onnx"
+DATA_SUFFIX = ".data"                  # model.onnx -> model.onnx.data (the exporters' convention)
 # The dynamo exporter's passes log every step at INFO; keep the conversion log readable.
 for _name in ("onnx_ir", "onnxscript", "torch.onnx"):
     logging.getLogger(_name).setLevel(logging.WARNING)
@@ -39,6 +47,7 @@ class OnnxConverter(Converter):
     class Options:
         opset: int = 18                        # conversion.onnx_opset
         graph_optimization: str = "extended"   # ORT level baked into the artifact: basic | extended
+        external_data_min_bytes: int = 1 << 30   # fp32 weights from this size on: tensors in model.onnx.data
 
     @classmethod
     def from_params(cls, params: Params) -> "OnnxConverter":
@@ -52,28 +61,34 @@ class OnnxConverter(Converter):
 
     # ------------------------------------------------------------------ steps
     def _build(self, ctx: BuildContext, dynamo: bool) -> Artifact:
-        raw = ctx.out_dir / "raw.onnx"
+        external = weight_bytes(ctx.loaded.module) >= self.options.external_data_min_bytes
+        raw_dir = ctx.out_dir / "raw"          # the exporters may scatter per-tensor files: all go with it
+        raw_dir.mkdir(exist_ok=True)
+        raw = raw_dir / "raw.onnx"
         final = ctx.out_dir / ARTIFACT
         try:
-            self._export(ctx, raw, dynamo)
+            self._export(ctx, raw, dynamo, external)
             self._transform(raw)
             self._optimize(ctx, raw, final)
         finally:
-            for p in (raw, raw.with_name(raw.name + ".data")):
-                p.unlink(missing_ok=True)
+            shutil.rmtree(raw_dir, ignore_errors=True)
         inputs = {s.name: s.dtype for s in ctx.loaded.inputs}   # float32 stays float32 at the boundary
-        return Artifact(ARTIFACT, "onnx", inputs,
+        data = final.name + DATA_SUFFIX
+        if external and not (ctx.out_dir / data).is_file():
+            raise RuntimeError(f"ONNX Runtime did not write the external data file {data} beside {final.name}")
+        return Artifact(ARTIFACT, "onnx", inputs, data_files=[data] if external else [],
                         extra={"graph_optimized": True, "graph_optimization": self.options.graph_optimization,
-                               "opset": self.options.opset, "exporter": "dynamo" if dynamo else "legacy"})
+                               "opset": self.options.opset, "exporter": "dynamo" if dynamo else "legacy",
+                               "external_data": [data] if external else []})
 
-    def _export(self, ctx: BuildContext, path: Path, dynamo: bool) -> None:
+    def _export(self, ctx: BuildContext, path: Path, dynamo: bool, external: bool) -> None:
         loaded = ctx.loaded
         args = ctx.example_inputs()
         names_in = [s.name for s in loaded.inputs]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if dynamo:
-                torch.onnx.export(loaded.module, args, str(path), dynamo=True, external_data=False,
+                torch.onnx.export(loaded.module, args, str(path), dynamo=True, external_data=external,
                                   input_names=names_in, output_names=list(loaded.outputs),
                                   dynamic_shapes=ctx.dynamic_shapes(), opset_version=self.options.opset,
                                   verbose=False)
@@ -83,13 +98,18 @@ class OnnxConverter(Converter):
                 torch.onnx.export(loaded.module, args, str(path), dynamo=False, input_names=names_in,
                                   output_names=list(loaded.outputs), dynamic_axes=axes,
                                   opset_version=self.options.opset)
-        if path.with_name(path.name + ".data").exists():
-            raise RuntimeError(f"the exporter wrote external data beside {path.name}; the variant must be one file")
+        if external and not data_file(path).exists():
+            # One data file whatever the exporter wrote (the legacy one scatters a file per tensor).
+            _save(_load(path), path, external=True)
+        elif data_file(path).exists():
+            raise RuntimeError(f"the exporter wrote external data beside {path.name} for a model under "
+                               f"{self.options.external_data_min_bytes} bytes of weights")
 
     def _transform(self, path: Path) -> None:
         """Hook for subclasses (fp16); the fp32 variant keeps the exported graph."""
 
     def _optimize(self, ctx: BuildContext, raw: Path, final: Path) -> None:
+        """ORT's optimised graph of `raw` into `final`, in the same form (external data or not)."""
         import onnxruntime as ort
         levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
                   "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED}
@@ -97,6 +117,11 @@ class OnnxConverter(Converter):
         so.graph_optimization_level = levels[self.options.graph_optimization]
         so.optimized_model_filepath = str(final)
         so.log_severity_level = 3
+        if data_file(raw).exists():
+            # Written beside `final` under this (relative) name; small tensors stay in the graph.
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                        final.name + DATA_SUFFIX)
+            so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
         providers = choose_providers(ctx.device, ort.get_available_providers())
         session = ort.InferenceSession(str(raw), sess_options=so, providers=providers)
         check_providers_active(ctx.device, providers, session.get_providers())
@@ -111,10 +136,41 @@ class OnnxFloat16Converter(OnnxConverter):
     dtype = "float16"
 
     def _transform(self, path: Path) -> None:
-        import onnx
         from onnxruntime.transformers.float16 import convert_float_to_float16
-        model = onnx.load(str(path))
+        external = data_file(path).exists()
+        model = _load(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # it warns for every constant clamped to the fp16 range
             model = convert_float_to_float16(model, keep_io_types=True)
-        onnx.save(model, str(path))
+        _save(model, path, external)
+
+
+def data_file(model_path: Path) -> Path:
+    """The external data file of `model_path` in this module's convention (model.onnx.data)."""
+    return model_path.with_name(model_path.name + DATA_SUFFIX)
+
+
+def _load(path: Path):
+    import onnx
+    return onnx.load(str(path))               # with its external data (resolved beside `path`)
+
+
+def _save(model, path: Path, external: bool) -> None:
+    """Save `model` as `path` (+ one data file when external); other files beside it are removed
+    first (the tensors are in memory now), so stale per-tensor files never mix in."""
+    import onnx
+    for p in path.parent.iterdir():
+        if p != path and p.is_file():
+            p.unlink()
+    onnx.save(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
+              location=data_file(path).name)
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the module's parameters and buffers (shared tensors counted once)."""
+    seen, total = set(), 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
