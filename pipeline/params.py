@@ -74,7 +74,7 @@ class Tolerance:
     # mean top-k overlap >= min_topk_overlap; tensor: atol/rtol/cosine as 'elementwise'.
     gate: Literal["elementwise", "task"] = "elementwise"
     min_recall_at_k: float = 0.95
-    recall_k: int = 10                         # k = min(recall_k, samples - 1) on small golden sets
+    recall_k: int = 10                         # k = min(recall_k, (samples - 1) // 4): small golden sets get a smaller k
     min_top1_agreement: float = 0.97
     min_topk_overlap: float = 0.8
     topk: int = 5

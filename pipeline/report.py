@@ -453,6 +453,7 @@ def build_blocks(inputs: ReportInputs, images: dict[str, Path]) -> list[Block]:
         b.append(Table(["variant", "output", "max abs", "max rel", "min cosine", "top-k agreement", "tolerance"], vrows))
     else:
         b.append(Para("No verification records (`artifacts/variants/<v>/conversion.json`) found."))
+    b += accuracy_trade_blocks(inputs)
 
     b.append(Heading("Plots"))
     for key, title, _ in PLOTS:
@@ -537,6 +538,45 @@ def build_blocks(inputs: ReportInputs, images: dict[str, Path]) -> list[Block]:
         b.append(Para("These outputs of earlier stages were absent when the report was written: "
                       + ", ".join(f"`{m}`" for m in inputs.missing) + "."))
     return b
+
+
+def _gate_text(f: dict) -> str:
+    if f.get("kind") == "text-embedding":
+        return (f"min cosine {_fmt(f.get('min_cosine'))}, mean {_fmt(f.get('mean_cosine'))}, "
+                f"recall@{f.get('k')} {_fmt(f.get('recall_at_k'))}")
+    return f"top-1 agreement {_fmt(f.get('top1_agreement'))}, top-{f.get('k')} overlap {_fmt(f.get('topk_overlap'))}"
+
+
+def accuracy_trade_blocks(inputs: ReportInputs) -> list[Block]:
+    """Variants judged by a task gate (int8): their accuracy figures on the golden set beside their
+    throughput against the fp32 `onnx` variant (else `eager`) at the served batch size (else the
+    largest both measured), so the trade is visible."""
+    base = "onnx" if (inputs.benchmarks.get("onnx") or {}).get("steady") else "eager"
+    ref = dict(steady_points(inputs.benchmarks.get(base) or {}, "throughput_sps"))
+    rows = []
+    for v in inputs.variants:
+        conv = inputs.conversions.get(v) or {}
+        gate = (conv.get("verification") or {}).get("task_gate")
+        if not gate:
+            continue
+        q = conv.get("quantization") or {}
+        thr = dict(steady_points(inputs.benchmarks.get(v) or {}, "throughput_sps"))
+        common = sorted(set(thr) & set(ref))
+        bs = serving_batch_size(inputs) if serving_batch_size(inputs) in common else (common[-1] if common else None)
+        ratio = thr[bs] / ref[bs] if bs is not None and ref.get(bs) else None
+        kept = q.get("fp32_ops")
+        for name, f in gate.items():
+            rows.append([v, name, conv.get("status"), _gate_text(f),
+                         f"{len(kept)} of {q.get('quantizable_ops')}" if kept is not None else "–",
+                         bs, thr.get(bs) if bs else None, ref.get(bs) if bs else None, ratio])
+    if not rows:
+        return []
+    return [Heading("Accuracy against speed (task-gated variants)", 3),
+            Para(f"Accuracy on the golden set (conversion.json `verification.task_gate`) beside throughput "
+                 f"relative to `{base}` (fp32) at the same batch size. Ops kept fp32 = the sensitivity "
+                 f"fallback's choice."),
+            Table(["variant", "output", "conversion", "accuracy", "ops kept fp32", "batch",
+                   "throughput (samples/s)", f"{base} (samples/s)", f"× {base}"], rows)]
 
 
 # --------------------------------------------------------------------------- renderers

@@ -23,7 +23,11 @@ from pipeline.serve_config import (DerivationError, OperatingPoint, choose_opera
 #   aoti        — compiled for one CPU ISA / GPU arch and one torch version: least portable of fp32.
 #   onnx-fp16, fp16, bf16 — reduced precision: larger numerical error and speed that depends on the
 #                 hardware (fp16 was slower than fp32 on our CPUs); only worth it when measurably faster.
-SIMPLICITY_ORDER = ("onnx", "torchscript", "eager", "aoti", "onnx-fp16", "fp16", "bf16")
+#   onnx-int8-dynamic, onnx-int8-static, int8 — quantized: judged by the task's gate rather than
+#                 per element, hardware-dependent speed (VNNI/AMX), last: they win only when faster
+#                 beyond the noise.
+SIMPLICITY_ORDER = ("onnx", "torchscript", "eager", "aoti", "onnx-fp16", "fp16", "bf16",
+                    "onnx-int8-dynamic", "onnx-int8-static", "int8")
 
 
 class SelectionError(RuntimeError):
@@ -117,6 +121,8 @@ def evaluate(variant: str, conversion: Optional[dict], benchmark: Optional[dict]
         if cos:
             c.figures["min_cosine"] = min(cos)
     c.figures["dtype"] = conversion.get("dtype")
+    if ver.get("task_gate"):          # int8: the gate's figures (recall@k, top-1 agreement...) travel with it
+        c.figures["task_gate"] = ver["task_gate"]
     if cstatus == "rejected":
         c.status = "rejected"
         c.reasons.append(f"verification failed: {conversion.get('reason') or 'outside tolerance'}")

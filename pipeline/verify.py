@@ -11,7 +11,9 @@ The rule (tolerances per dtype from `conversion.tolerances`); a variant passes w
    systematic drift that stays inside the per-element band, e.g. a whole embedding rotated;
 4. classification: the share of samples whose top-1 class matches >= min_topk_agreement.
 A runtime error at some batch size (a trace that only works at its trace batch size) fails too,
-naming the batch size. The worst element is the one with the largest |diff| / (atol + rtol*|ref|).
+naming the batch size. A tolerance with `gate: task` (int8) replaces rules 2-4 for embeddings and
+classification by the task's figures over all golden samples (pipeline/task_gate.py), recorded
+under `task_gate`; tensors keep rules 1-3 with that tolerance's atol/rtol/cosine. The worst element is the one with the largest |diff| / (atol + rtol*|ref|).
 `max_rel` is reported over elements with |ref| > atol (relative error of near-zero values is noise).
 """
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import Optional
 
 import numpy as np
 
+from pipeline import task_gate
 from pipeline.params import Tolerance
+from pipeline.task_gate import row_cosines as _cosines
 
 
 @dataclass
@@ -54,22 +58,15 @@ class Verification:
     outputs: list[OutputCheck]
     worst: Optional[dict]
     seconds: float = 0.0
+    task_gate: Optional[dict] = None      # gate 'task': {output: figures} (pipeline/task_gate.py)
 
     def as_dict(self) -> dict:
-        return {"passed": self.passed, "batch_sizes": self.batch_sizes,
-                "outputs": [o.as_dict() for o in self.outputs], "worst": self.worst,
-                "seconds": round(self.seconds, 3)}
-
-
-def _cosines(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    g = got.reshape(got.shape[0], -1).astype(np.float64)
-    r = ref.reshape(ref.shape[0], -1).astype(np.float64)
-    gn, rn = np.linalg.norm(g, axis=1), np.linalg.norm(r, axis=1)
-    dot = (g * r).sum(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        cos = dot / (gn * rn)
-    cos = np.where((gn == 0) & (rn == 0), 1.0, cos)        # both zero: identical
-    return np.where(np.isfinite(cos), cos, 0.0)             # one zero / non-finite: no similarity
+        d = {"passed": self.passed, "batch_sizes": self.batch_sizes,
+             "outputs": [o.as_dict() for o in self.outputs], "worst": self.worst,
+             "seconds": round(self.seconds, 3)}
+        if self.task_gate is not None:
+            d["task_gate"] = self.task_gate
+        return d
 
 
 def accumulate(check: OutputCheck, got: np.ndarray, ref: np.ndarray, tol: Tolerance,
@@ -132,9 +129,30 @@ def judge(checks: list[OutputCheck], tol: Tolerance, min_topk_agreement: float) 
     return None
 
 
+def task_gate_figures(results: list, output_names: list[str], tol: Tolerance, kind: str) -> dict:
+    """Every 2-D output's task figures over all samples of all batches; each sample named by its
+    (batch number, row) so the worst can be found in the golden set."""
+    figures = {}
+    where = [(k, row) for k, (_, got, _) in enumerate(results) for row in range(np.asarray(got[0]).shape[0])]
+    for i, name in enumerate(output_names):
+        got = np.concatenate([np.asarray(g[i]) for _, g, _ in results])
+        ref = np.concatenate([np.asarray(r[i]) for _, _, r in results])
+        if got.ndim != 2:
+            continue
+        f = task_gate.figures_from_outputs(kind, got, ref, tol)
+        for key in ("worst_cosine_sample", "worst_recall_sample", "worst_overlap_sample"):
+            if f.get(key) is not None:
+                batch, row = where[f[key]]
+                f[key] = {"sample": f[key], "golden_batch": batch, "batch_size": results[batch][0], "row": row}
+        figures[name] = f
+    return figures
+
+
 def compare(results: list[tuple[int, list[np.ndarray], list[np.ndarray]]], output_names: list[str],
-            tol: Tolerance, classification: bool, min_topk_agreement: float) -> Verification:
-    """Pure comparison: `results` = [(batch_size, got_outputs, reference_outputs)] per golden batch."""
+            tol: Tolerance, classification: bool, min_topk_agreement: float,
+            task: Optional[str] = None) -> Verification:
+    """Pure comparison: `results` = [(batch_size, got_outputs, reference_outputs)] per golden batch.
+    `task` (the golden set's task kind) matters only for a tolerance with `gate: task`."""
     checks = [OutputCheck(n) for n in output_names]
     sizes: list[int] = []
     for batch_size, got, ref in results:
@@ -146,8 +164,16 @@ def compare(results: list[tuple[int, list[np.ndarray], list[np.ndarray]]], outpu
             if problem:
                 return Verification(False, problem, sorted(set(sizes)), checks, c._worst)
         sizes.append(batch_size)
-    reason = judge(checks, tol, min_topk_agreement)
     worst = max(checks, key=lambda c: c._worst_ratio)._worst if checks else None
+    if task_gate.uses_task_gate(tol, task):
+        figures = task_gate_figures(results, output_names, tol, task)
+        reason = next((f"output '{name}': {r} (task gate figures: {task_gate.summary(f)})"
+                       for name, f in figures.items() if (r := task_gate.judge(f, tol))), None)
+        if not figures:
+            reason = f"no 2-D output to judge by the {task} gate"
+        ok_text = "verified (task gate: " + "; ".join(f"{n}: {task_gate.summary(f)}" for n, f in figures.items()) + ")"
+        return Verification(reason is None, reason or ok_text, sorted(set(sizes)), checks, worst, task_gate=figures)
+    reason = judge(checks, tol, min_topk_agreement)
     return Verification(reason is None, reason or "verified", sorted(set(sizes)), checks, worst)
 
 
@@ -173,7 +199,8 @@ def verify_variant(model_dir: str | Path, golden, tol: Tolerance, min_topk_agree
             results.append((batch.batch_size, got, batch.outputs))
     finally:
         runtime.close()
-    v = compare(results, list(golden.outputs), tol, classification, min_topk_agreement)
+    v = compare(results, list(golden.outputs), tol, classification, min_topk_agreement,
+                task=golden.task.get("kind"))
     v.seconds = time.perf_counter() - t0
     return v
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 
@@ -92,6 +92,12 @@ class Converter:
 
     def options_dict(self) -> dict:
         return dataclasses.asdict(self.options)
+
+    @classmethod
+    def host_unsuitable(cls, env: dict) -> Optional[str]:
+        """Why this variant is not worth building on the host `env` describes (artifacts/env.json:
+        device, cpu.isa flags), or None. Variants whose speed depends on instructions override it."""
+        return None
 
     def build(self, method: str, ctx: BuildContext) -> Artifact:
         fn = getattr(self, "build_" + method.replace("-", "_").replace("+", "_"), None)

@@ -12,6 +12,7 @@ time limit: a hung or crashing conversion is killed and recorded as failed, neve
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -85,7 +86,7 @@ def assemble(out_dir: Path, converter: Converter, artifact: Artifact, loaded, de
 def base_record(variant: str, dtype: Optional[str], tol: Optional[Tolerance]) -> dict:
     return {"variant": variant, "status": "failed", "reason": "", "conversion_s": None, "artifact_bytes": None,
             "dtype": dtype,
-            "tolerance": ({"atol": tol.atol, "rtol": tol.rtol, "min_cosine": tol.min_cosine} if tol else None),
+            "tolerance": dataclasses.asdict(tol) if tol else None,
             "verification": None}
 
 
@@ -120,6 +121,8 @@ def build_variant(converter: Converter, loaded, golden, out_dir: str | Path, dev
             assemble(out_dir, converter, artifact, loaded, device, method)
             attempt["artifact_bytes"] = sum((out_dir / f).stat().st_size for f in artifact.files)
             attempt["format"] = artifact.format
+            if "quantization" in artifact.extra:      # int8: what was quantized, what stayed fp32, and why
+                attempt["quantization"] = artifact.extra["quantization"]
         except Exception as e:
             attempt.update(status="failed", reason=exception_reason(e), traceback=traceback_tail(e),
                            conversion_s=round(time.perf_counter() - t0, 3))
@@ -154,8 +157,11 @@ def build_variant(converter: Converter, loaded, golden, out_dir: str | Path, dev
         record.update(status="converted", reason=chosen["reason"], conversion_s=chosen["conversion_s"],
                       artifact_bytes=chosen["artifact_bytes"], verification=chosen["verification"],
                       format=chosen["format"])
+    if (chosen or main).get("quantization") is not None:
+        record["quantization"] = (chosen or main)["quantization"]
     record.update(method=(chosen or {}).get("method"), device=device, options=converter.options_dict(),
-                  attempts=[{k: v for k, v in a.items() if k != "verification"} for a in attempts])
+                  attempts=[{k: v for k, v in a.items() if k not in ("verification", "quantization")}
+                            for a in attempts])
     write_json(out_dir / CONVERSION_JSON, record)
     return record
 

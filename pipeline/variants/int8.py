@@ -1,0 +1,280 @@
+"""int8 variants: `onnx-int8-dynamic`, `onnx-int8-static` (QDQ, calibrated) and `int8` (torch).
+
+All three are judged by `conversion.tolerances.int8` (dtype "int8"; `gate: task` — the task's own
+figures, pipeline/task_gate.py) and share the fallback of pipeline/variants/sensitivity.py: when the
+whole-model quantization misses the gate on the calibration set, the most sensitive ops stay fp32.
+
+Calibration set: `conversion.int8.calibration_samples` requests from the task adapter's example
+distribution (handlers/tasks.py — for text the 5–15-word sentences of the serving load, for images
+the golden-style pictures, for tensors the golden inputs' distribution), drawn with their own seed
+so they are disjoint from the golden set that verifies the result. Reference outputs on it come from
+the fp32 graph being quantized (ONNX) or the eager module (torch).
+
+- onnx-int8-dynamic: the ORT-optimised fp32 graph (as the `onnx` variant builds it), its weight-
+  bearing MatMul/Gemm/Conv quantized by onnxruntime.quantization.quantize_dynamic (int8 weights,
+  per-channel where `per_channel`, activations quantized per call), then re-optimised by ORT so the
+  artifact holds the fused integer kernels (MatMulIntegerToFloat / DynamicQuantizeMatMul).
+- onnx-int8-static: the same graph with QDQ pairs from quantize_static; activation ranges from the
+  calibration set (`conversion.int8.calibration`: minmax | entropy | percentile), u8 activations,
+  s8 weights; ORT fuses the QDQ groups into integer kernels when it optimises the artifact.
+- int8 (torch family): torch.ao.quantization.quantize_dynamic of nn.Linear (x86/fbgemm engine, CPU),
+  traced to TorchScript like the `torchscript` variant, so the torch handler serves it unchanged.
+  torch 2.13 still ships torch.ao.quantization's eager dynamic path; torchao is not installed here.
+
+Host suitability: int8 pays where the CPU has integer dot-product instructions — AVX-512 VNNI,
+AVX-VNNI, AMX-INT8, or at least AVX2 (u8s8 via vpmaddubsw; set `reduce_range: true` there when
+accuracy suffers from saturation) or Arm NEON/ASIMD. GPU int8 is TensorRT's path (a calibrated
+TensorRT engine), which this pipeline does not build.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pipeline.params import Int8Params, Params, Tolerance, _default_tolerances
+from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, register
+from pipeline.variants.onnx import OnnxConverter
+from pipeline.variants.sensitivity import Calibration, search
+from pipeline.variants.torchscript import TorchScriptConverter
+
+log = logging.getLogger(__name__)
+
+QUANTIZABLE_OPS = ("MatMul", "Gemm", "Conv")
+CALIBRATION_SEED_OFFSET = 7919     # calibration requests never repeat the golden set's
+CALIBRATION_BATCH = 8
+GPU_INT8 = ("int8 on a GPU is TensorRT's path (a calibrated TensorRT engine), which this pipeline does not "
+            "build; int8 variants are CPU variants")
+# The optimised graph holds contrib ops (BiasGelu, FusedMatMul) that ONNX shape inference cannot type.
+UNTYPED_AS_FLOAT = {"DefaultTensorType": 1}   # onnx.TensorProto.FLOAT
+INT8_ISA = ("amx_int8", "avx512_vnni", "avx_vnni", "avx2", "asimd", "neon")
+
+
+@dataclass(frozen=True)
+class Int8Options:
+    quantization: Int8Params = field(default_factory=Int8Params)
+    tolerance: Tolerance = field(default_factory=lambda: _default_tolerances()["int8"])
+    min_topk_agreement: float = 0.99
+
+
+class Int8Mixin:
+    """What the three int8 converters share: options from params, host suitability, calibration."""
+    dtype = "int8"
+
+    @classmethod
+    def int8_options(cls, params: Params) -> Int8Options:
+        return Int8Options(quantization=params.conversion.int8, tolerance=params.conversion.tolerances["int8"],
+                           min_topk_agreement=params.conversion.min_topk_agreement)
+
+    @classmethod
+    def host_unsuitable(cls, env: dict) -> Optional[str]:
+        """Why int8 is not worth building on this host (artifacts/env.json), or None."""
+        if (env.get("device") or "cpu") == "cuda":
+            return GPU_INT8
+        isa = (env.get("cpu") or {}).get("isa") or {}
+        if isa and not any(isa.get(k) for k in INT8_ISA):
+            return ("the CPU has no integer dot-product instructions (no AVX2, AVX-512 VNNI, AVX-VNNI, AMX-INT8 "
+                    "or NEON): int8 kernels would not beat fp32")
+        return None
+
+    def _q(self) -> Int8Params:
+        return self.options.quantization
+
+    def calibration(self, ctx: BuildContext, reference) -> Calibration:
+        """The calibration feeds and `reference(feeds)` → outputs on each batch."""
+        adapter = ctx.golden.adapter()
+        seed = int(ctx.golden.manifest.get("seed", 0)) + CALIBRATION_SEED_OFFSET
+        requests = adapter.example_requests(self._q().calibration_samples, seed=seed)
+        feeds = [adapter.collate([adapter.decode(body, ct) for body, ct in requests[i:i + CALIBRATION_BATCH]])
+                 for i in range(0, len(requests), CALIBRATION_BATCH)]
+        kind = ctx.golden.task.get("kind")
+        return Calibration(feeds, [reference(f) for f in feeds], list(ctx.golden.outputs), kind,
+                           classification=kind == "image-classification")
+
+    def run_search(self, candidates, quantize, run, cal: Calibration):
+        o, q = self.options, self._q()
+        return search(candidates, quantize, run, cal, o.tolerance, o.min_topk_agreement,
+                      q.sensitivity_budget_s, q.max_fp32_share)
+
+
+# --------------------------------------------------------------------------- ONNX
+class _OnnxInt8(Int8Mixin, OnnxConverter):
+    """The `onnx` build (export → ORT-optimised fp32 graph), quantized, then re-optimised."""
+    methods = ("dynamo", "legacy")
+    scheme = ""
+
+    @dataclass(frozen=True)
+    class Options(OnnxConverter.Options, Int8Options):
+        pass
+
+    @classmethod
+    def from_params(cls, params: Params):
+        fields = {}
+        for part in (OnnxConverter.from_params(params).options, cls.int8_options(params)):
+            fields.update({f.name: getattr(part, f.name) for f in dataclasses.fields(part)})
+        return cls(cls.Options(**fields))
+
+    def _build(self, ctx: BuildContext, dynamo: bool) -> Artifact:
+        self._record: dict = {}
+        artifact = super()._build(ctx, dynamo)
+        artifact.extra["quantization"] = self._record
+        return artifact
+
+    def _optimize(self, ctx: BuildContext, raw: Path, final: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix="int8-", dir=ctx.out_dir) as tmp:
+            tmp = Path(tmp)
+            fp32 = tmp / "fp32.onnx"
+            super()._optimize(ctx, raw, fp32)
+            cal = self.calibration(ctx, _OrtRunner(fp32).run)
+            candidates = weight_nodes(fp32)
+            counter = [0]
+
+            def quantize(exclude: list[str], only: Optional[list[str]]) -> Path:
+                counter[0] += 1
+                out = tmp / f"q{counter[0]}.onnx"
+                self._quantize(fp32, out, cal, tmp, nodes=only or candidates, exclude=exclude)
+                return out
+
+            def run(path: Path):
+                runner = _OrtRunner(path)
+                return [runner.run(f) for f in cal.feeds]
+
+            chosen, record = self.run_search(candidates, quantize, run, cal)
+            q = self._q()
+            self._record.update(scheme=self.scheme, per_channel=q.per_channel, reduce_range=q.reduce_range,
+                                weight_type="int8", op_types=list(QUANTIZABLE_OPS), **self._scheme_record(), **record)
+            super()._optimize(ctx, chosen, final)
+
+    def _scheme_record(self) -> dict:
+        return {}
+
+
+@register
+class OnnxInt8DynamicConverter(_OnnxInt8):
+    name = "onnx-int8-dynamic"
+    scheme = "dynamic"
+
+    def _quantize(self, src, dst, cal, tmp, nodes, exclude):
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+        q = self._q()
+        quantize_dynamic(str(src), str(dst), op_types_to_quantize=list(QUANTIZABLE_OPS), per_channel=q.per_channel,
+                         reduce_range=q.reduce_range, weight_type=QuantType.QInt8, nodes_to_quantize=list(nodes),
+                         nodes_to_exclude=list(exclude), extra_options={"MatMulConstBOnly": True, **UNTYPED_AS_FLOAT})
+
+
+@register
+class OnnxInt8StaticConverter(_OnnxInt8):
+    name = "onnx-int8-static"
+    scheme = "static-qdq"
+    METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
+
+    def _scheme_record(self) -> dict:
+        return {"calibration": self._q().calibration, "calibration_samples": self._q().calibration_samples,
+                "activation_type": "uint8"}
+
+    def _quantize(self, src, dst, cal, tmp, nodes, exclude):
+        from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+        q = self._q()
+        # The ranges are measured once (the first call) and reused by every sensitivity attempt.
+        quantize_static(str(src), str(dst), _FeedsReader(cal.feeds), quant_format=QuantFormat.QDQ,
+                        op_types_to_quantize=list(QUANTIZABLE_OPS), per_channel=q.per_channel,
+                        reduce_range=q.reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        nodes_to_quantize=list(nodes), nodes_to_exclude=list(exclude),
+                        calibrate_method=getattr(CalibrationMethod, self.METHODS[q.calibration]),
+                        calibration_cache_path=tmp / "calibration.json",
+                        extra_options={"MatMulConstBOnly": True, "WeightSymmetric": True,
+                                       "ActivationSymmetric": False, **UNTYPED_AS_FLOAT})
+
+
+def weight_nodes(path: Path) -> list[str]:
+    """Names of the MatMul/Gemm/Conv nodes whose weight is a constant: what int8 quantizes (an
+    activation × activation MatMul, e.g. attention scores, stays fp32)."""
+    import onnx
+    model = onnx.load(str(path), load_external_data=False)
+    consts = {i.name for i in model.graph.initializer}
+    consts |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    return [n.name for n in model.graph.node
+            if n.op_type in QUANTIZABLE_OPS and len(n.input) > 1 and n.input[1] in consts and n.name]
+
+
+class _OrtRunner:
+    def __init__(self, path: Path):
+        import onnxruntime as ort
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        self.session = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+        self.names = [i.name for i in self.session.get_inputs()]
+
+    def run(self, feeds: dict) -> list[np.ndarray]:
+        return [np.asarray(o, np.float32) for o in self.session.run(None, {n: feeds[n] for n in self.names})]
+
+
+class _FeedsReader:
+    """onnxruntime.quantization.CalibrationDataReader over the calibration feeds."""
+
+    def __init__(self, feeds: list[dict]):
+        self._it = iter(feeds)
+
+    def get_next(self):
+        return next(self._it, None)
+
+
+# --------------------------------------------------------------------------- torch
+@register
+class TorchInt8Converter(Int8Mixin, TorchScriptConverter):
+    name = "int8"
+    family = "torch"
+    methods = ("trace-freeze", "trace")
+
+    Options = Int8Options
+
+    @classmethod
+    def from_params(cls, params: Params):
+        return cls(cls.int8_options(params))
+
+    def _trace(self, ctx: BuildContext):
+        if ctx.device != "cpu":
+            raise RuntimeError(f"torch dynamic int8 runs on CPU only (asked: {ctx.device}); " + GPU_INT8)
+        module = self._quantized(ctx)
+        with torch.no_grad():
+            return torch.jit.trace(module, ctx.example_inputs(1, "cpu"), check_trace=False)
+
+    def _save(self, ctx: BuildContext, module) -> Artifact:
+        module.save(str(ctx.out_dir / self.artifact))
+        return Artifact(self.artifact, "torchscript", default_input_dtypes(ctx.loaded),
+                        extra={"traced_batch_size": 1, "quantization": self._record})
+
+    def _quantized(self, ctx: BuildContext):
+        """Quantized once per build; the methods (frozen, plain trace) share it."""
+        if getattr(self, "_module", None) is not None:
+            return self._module
+        from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
+
+        from pipeline.golden import run_reference
+        engine = "x86" if "x86" in torch.backends.quantized.supported_engines else "qnnpack"
+        torch.backends.quantized.engine = engine
+        loaded = ctx.loaded
+        cal = self.calibration(ctx, lambda f: run_reference(loaded, f))
+        candidates = [n for n, m in loaded.module.named_modules() if isinstance(m, torch.nn.Linear)]
+
+        qconfig = per_channel_dynamic_qconfig if self._q().per_channel else default_dynamic_qconfig
+
+        def quantize(exclude: list[str], only: Optional[list[str]]):
+            names = set(only or candidates) - set(exclude)
+            return quantize_dynamic(copy.deepcopy(loaded.module).eval(), qconfig_spec={n: qconfig for n in names},
+                                    dtype=torch.qint8)
+
+        def run(module):
+            return [run_reference(dataclasses.replace(loaded, module=module), f) for f in cal.feeds]
+
+        self._module, record = self.run_search(candidates, quantize, run, cal)
+        self._record = {"scheme": "dynamic", "engine": engine, "weight_type": "int8", "op_types": ["Linear"],
+                        "per_channel": self._q().per_channel, **record}
+        return self._module
