@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 import yaml
 
+from pipeline.store_form import form_of, link_or_copy_tree, store_entry
+
 KSERVE_MOUNT = "/mnt/models"
 KSERVE_MODEL_STORE = f"{KSERVE_MOUNT}/model-store"
 INFERENCE_PORT = 8085          # the KServe wrapper owns 8080 and forwards here
@@ -73,16 +75,18 @@ def serving_values(model_config: dict, derivation: Optional[dict] = None) -> Ser
         max_request_size=_int(d.get("max_request_size")), max_response_size=_int(d.get("max_response_size")))
 
 
-def model_snapshot(model_name: str, model_version: str, values: ServingValues) -> dict:
+def model_snapshot(model_name: str, model_version: str, values: ServingValues,
+                   mar_name: Optional[str] = None) -> dict:
+    """mar_name: the model store entry, `<name>.mar` or the unpacked folder `<name>` (store_form)."""
     return {"name": "startup.cfg", "modelCount": 1, "models": {model_name: {model_version: {
-        "defaultVersion": True, "marName": f"{model_name}.mar",
+        "defaultVersion": True, "marName": mar_name or f"{model_name}.mar",
         "minWorkers": values.min_workers, "maxWorkers": values.max_workers,
         "batchSize": values.batch_size, "maxBatchDelay": values.max_batch_delay_ms,
         "responseTimeout": values.response_timeout_s, "startupTimeout": values.startup_timeout_s}}}}
 
 
 def kserve_config_properties(model_name: str, model_version: str, values: ServingValues,
-                             model_store: str = KSERVE_MODEL_STORE) -> str:
+                             model_store: str = KSERVE_MODEL_STORE, mar_name: Optional[str] = None) -> str:
     """config.properties for KServe's TorchServe runtime (one `key=value` per line, no escapes needed)."""
     if "\\" in model_store:
         raise KServeError(f"model store {model_store!r}: use forward slashes (java.util.Properties eats backslashes)")
@@ -117,7 +121,7 @@ def kserve_config_properties(model_name: str, model_version: str, values: Servin
         lines.append(f"max_response_size={values.max_response_size}")
     lines.append(f"model_store={model_store}")
     # One line of JSON: the wrapper json.loads everything after the first '='.
-    lines.append("model_snapshot=" + json.dumps(model_snapshot(model_name, model_version, values),
+    lines.append("model_snapshot=" + json.dumps(model_snapshot(model_name, model_version, values, mar_name),
                                                 separators=(",", ":")))
     return "\n".join(lines) + "\n"
 
@@ -175,7 +179,13 @@ class KServeLayout:
 
 def build_layout(model_name: str, mar: Path, model_config: dict, derivation: Optional[dict], out_dir: Path,
                  storage_uri: Optional[str] = None) -> KServeLayout:
-    """Write `out_dir/{config/config.properties, model-store/<name>.mar, inferenceservice.yaml}`."""
+    """Write `out_dir/{config/config.properties, model-store/<name>.mar, inferenceservice.yaml}`; when
+    derivation.json chose the folder store form, `model-store/<name>/` (the .mar unpacked, beside it
+    in the model store) instead of the .mar: a pod starts from it without copying the weights."""
+    form = form_of(derivation)
+    folder = mar.parent / store_entry(model_name, "folder")
+    if form == "folder" and not (folder / "MAR-INF" / "MANIFEST.json").is_file():
+        raise KServeError(f"{folder} (the unpacked .mar, store form 'folder') not found; run `dvc repro archive`")
     if not mar.is_file():
         raise KServeError(f"{mar} not found; run `dvc repro archive` first")
     version = mar_model_version(mar)
@@ -187,9 +197,13 @@ def build_layout(model_name: str, mar: Path, model_config: dict, derivation: Opt
     (out_dir / "config").mkdir(parents=True)
     (out_dir / "model-store").mkdir()
     props = out_dir / "config" / "config.properties"
-    props.write_text(kserve_config_properties(model_name, version, values))
-    target = out_dir / "model-store" / f"{model_name}.mar"
-    shutil.copyfile(mar, target)
+    props.write_text(kserve_config_properties(model_name, version, values,
+                                              mar_name=store_entry(model_name, form)))
+    target = out_dir / "model-store" / store_entry(model_name, form)
+    if form == "folder":
+        link_or_copy_tree(folder, target)
+    else:
+        shutil.copyfile(mar, target)
     manifest = out_dir / "inferenceservice.yaml"
     manifest.write_text(inferenceservice_manifest(model_name, storage_uri or STORAGE_URI_PLACEHOLDER.format(name=model_name),
                                                   values))

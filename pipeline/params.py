@@ -150,6 +150,7 @@ class ServeOverrides:
     job_queue_size: Optional[int] = None
     max_request_size: Optional[int] = None
     max_response_size: Optional[int] = None
+    store_form: Optional[Literal["mar", "folder"]] = None     # how the model sits in the model store
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,12 @@ class ServeParams:
     require_slo: bool = False
     memory_budget_mb: float = 4096.0           # per worker
     max_cold_load_s: Optional[float] = None
+    # Disk the deployment host reads the artifact from; null: the read speed measured here (page cache).
+    # A slower disk adds artifact MB / this to startupTimeout (the report shows 200 MB/s either way).
     target_disk_read_mb_s: Optional[float] = None
+    # Artifacts at least this big are served from an unpacked folder in the model store instead of the
+    # .mar TorchServe copies out of its archive at every start (the .mar is published either way).
+    folder_store_min_mb: float = 500.0
     platform: Literal["linux", "windows"] = "linux"
     bind_address: str = "127.0.0.1"
     model_store: Optional[str] = None          # path on the deployment host; None → artifacts/model_store
@@ -357,7 +363,12 @@ def _check_semantics(p: Params) -> None:
             ("expected_concurrency", sv.expected_concurrency, sv.expected_concurrency >= 1,
              "an integer >= 1 (requests in flight in production)"),
             ("memory_share", sv.memory_share, 0 < sv.memory_share <= 1, "a share in (0, 1], e.g. 0.8"),
-            ("max_workers_per_gpu", sv.max_workers_per_gpu, sv.max_workers_per_gpu >= 1, "an integer >= 1")):
+            ("max_workers_per_gpu", sv.max_workers_per_gpu, sv.max_workers_per_gpu >= 1, "an integer >= 1"),
+            ("target_disk_read_mb_s", sv.target_disk_read_mb_s,
+             sv.target_disk_read_mb_s is None or sv.target_disk_read_mb_s > 0,
+             "null (the read speed measured on this host) or a positive MB/s, e.g. 200"),
+            ("folder_store_min_mb", sv.folder_store_min_mb, sv.folder_store_min_mb >= 0,
+             "MB >= 0 (0: always serve from the unpacked folder)")):
         if not ok:
             raise _bad(f"serve.{key}", value, allowed)
     if not _NAME_OK(m.name):

@@ -23,6 +23,8 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
+from pipeline.store_form import models_arg
+
 # Keys that ts/model_server.py also reads with its naive parser.
 NAIVE_PARSER_KEYS = frozenset({"model_store", "vmargs", "plugins_path"})
 
@@ -154,7 +156,8 @@ def config_properties_entries(values: dict, *, model_name: str, model_store: str
     entries += [
         ("install_py_dep_per_model", False),      # no pip at registration
         ("model_store", host_path(model_store, platform)),
-        ("load_models", f"{model_name}={model_name}.mar"),
+        # The .mar, or the folder it is unpacked into (derivation `store_form`; pipeline/store_form.py).
+        ("load_models", models_arg(model_name, values.get("store_form") or "mar")),
         # Explicit: TorchServe's default is one worker per CPU core, each oversubscribing threads.
         ("default_workers_per_model", int(values["workers"])),
         # Same figures as the model-config.yaml, which wins whenever the .mar carries one.
@@ -232,13 +235,13 @@ def write_model_config(path: str | Path, derivation: dict, source: str = "") -> 
 
 # --------------------------------------------------------------------------- start command
 def start_command(*, model_name: str, model_store: str | Path, config_path: str | Path, threads: int,
-                  platform: str = "linux") -> dict:
+                  platform: str = "linux", store_form: str = "mar") -> dict:
     """argv + env for starting TorchServe with this config. `--ncs`: never restore an old config
     snapshot from logs/config/. The thread variables stop any library in the worker from spawning
     one thread per core on top of the handler's intra-op threads."""
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     argv = ["torchserve", "--start", "--ncs", "--model-store", host_path(model_store, platform),
-            "--models", f"{model_name}={model_name}.mar", "--ts-config", host_path(config_path, platform)]
+            "--models", models_arg(model_name, store_form), "--ts-config", host_path(config_path, platform)]
     return {"argv": argv, "env": env}
 
 

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import yaml
 
 from pipeline.kserve import mar_model_version
+from pipeline.stage_record import read_records
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class ReportInputs:
     start_command: Optional[str] = None
     serve_check: Optional[dict] = None
     mar: Optional[dict] = None                            # {"path", "bytes", "sha256"}
+    stages: list = field(default_factory=list)            # metrics/stages records (pipeline/stage_record.py)
     missing: list[str] = field(default_factory=list)      # inputs that were not there (for the page)
 
 
@@ -110,6 +112,7 @@ def collect_inputs(root: Path, model_name: str, latency_slo_ms: float, variants:
     cmd = _read_text(a / "serve" / "start_command.txt", missing, root)
     inputs.start_command = cmd.strip() if cmd else None
     inputs.serve_check = _read_json(m / "serve_check.json", missing, root)
+    inputs.stages = read_records(m / "stages")
     mar = a / "model_store" / f"{model_name}.mar"
     if mar.is_file():
         inputs.mar = {"path": _rel(mar, root), "bytes": mar.stat().st_size, "sha256": sha256_file(mar),
@@ -200,6 +203,8 @@ def summary_metrics(inputs: ReportInputs) -> dict:
             "ratio_p99": ratios.get("p99")}
     else:
         out["serve_check"] = {"ran": False}
+    if inputs.stages:
+        out["pipeline_wall_s"] = round(sum(r.get("wall_s") or 0.0 for r in inputs.stages), 1)
     return out
 
 
@@ -485,6 +490,9 @@ def build_blocks(inputs: ReportInputs, images: dict[str, Path]) -> list[Block]:
         elif isinstance(bad, dict) and bad:
             b.append(Table(["bad input", "status"], [[k, v] for k, v in bad.items()]))
 
+    b += startup_blocks(inputs)
+    b += stage_cost_blocks(inputs)
+
     b.append(Heading("Generated configuration and how each value was derived"))
     if inputs.derivation:
         drows = []
@@ -577,6 +585,88 @@ def accuracy_trade_blocks(inputs: ReportInputs) -> list[Block]:
                  f"fallback's choice."),
             Table(["variant", "output", "conversion", "accuracy", "ops kept fp32", "batch",
                    "throughput (samples/s)", f"{base} (samples/s)", f"× {base}"], rows)]
+
+
+def _model_bytes(inputs: ReportInputs) -> Optional[int]:
+    """The reference model's size: the eager variant's artifact (the checkpoint's weights)."""
+    eager = inputs.conversions.get("eager") or inputs.benchmarks.get("eager") or {}
+    n = eager.get("artifact_bytes")
+    return int(n) if isinstance(n, (int, float)) and n else None
+
+
+def startup_blocks(inputs: ReportInputs) -> list[Block]:
+    """Start-up of the served model: store form (with READY of both forms), startupTimeout against
+    the measured load and a 200 MB/s disk, and memory per worker against the artifact."""
+    d = inputs.derivation or {}
+    sc = inputs.serve_check or {}
+    st, form = d.get("startup_timeout_s"), d.get("store_form")
+    if not isinstance(st, dict) and not sc:
+        return []
+    b: list[Block] = [Heading("Start-up and memory of the served model")]
+    rows = []
+    if isinstance(form, dict):
+        fi = form.get("inputs") or {}
+        rows.append(["store form", f"{form.get('value')} (artifact {_fmt(fi.get('artifact_mb'))} MB, folder from "
+                                   f"{_fmt(fi.get('folder_store_min_mb'))} MB; unpack avoided ≈ "
+                                   f"{_fmt(fi.get('unpack_estimate_s'))} s per start)"])
+    forms = sc.get("store_forms") or {}
+    for f in ("mar", "folder"):
+        if isinstance(forms.get(f), dict):
+            r = forms[f]
+            rows.append([f"READY from the {f}" + (" (served)" if forms.get("chosen") == f else ""),
+                         f"{_fmt(r.get('ready_s'))} s (WorkerLoadTime {_fmt(r.get('worker_load_ms'))} ms)"
+                         if r.get("ready") else f"not READY: {str(r.get('error'))[:200]}"])
+    if isinstance(st, dict):
+        si = st.get("inputs") or {}
+        ref = si.get("at_reference_disk") or {}
+        rows += [["startupTimeout (derived)", f"{_fmt(st.get('value'))} s from a worst cold load of "
+                  f"{_fmt(si.get('cold_load_max_ms'))} ms (median {_fmt(si.get('cold_load_median_ms'))} ms), read "
+                  f"measured at {_fmt(si.get('measured_read_mb_s'))} MB/s"],
+                 [f"startupTimeout on a {_fmt(ref.get('read_mb_s'))} MB/s disk",
+                  f"{_fmt(ref.get('startup_timeout_s'))} s (+{_fmt(ref.get('disk_read_s'))} s to read the artifact)"]]
+        if si.get("target_disk_read_mb_s"):
+            rows.append(["serve.target_disk_read_mb_s", f"{_fmt(si['target_disk_read_mb_s'])} MB/s "
+                         f"(+{_fmt(si.get('disk_read_s'))} s, included above)"])
+    if sc.get("ready_s") is not None and isinstance(st, dict):
+        rows.append(["READY in TorchServe vs startupTimeout", f"{_fmt(sc['ready_s'])} s of {_fmt(st.get('value'))} s"])
+    diag = sc.get("startup_diagnosis") or {}
+    if diag.get("message"):
+        rows.append(["startupTimeout MISSED", diag["message"]])
+    workers = d.get("workers") if isinstance(d.get("workers"), dict) else {}
+    rss_bench = (workers.get("inputs") or {}).get("peak_rss_mb")
+    size = _model_bytes(inputs)
+    art = (st or {}).get("inputs", {}).get("artifact_bytes") if isinstance(st, dict) else None
+    if rss_bench is not None:
+        rows.append(["peak RSS per worker (benchmark → workers)",
+                     f"{_fmt(rss_bench)} MB; workers = {_fmt(workers.get('value'))} ({workers.get('formula', '')})"])
+    if sc.get("worker_peak_rss_mb") is not None:
+        ratio = f", {sc['worker_peak_rss_mb'] * 2**20 / art:.2f}× the served artifact" if art else ""
+        rows.append(["peak RSS per worker in TorchServe", f"{_fmt(sc['worker_peak_rss_mb'])} MB{ratio}"])
+    if size:
+        rows.append(["model size (eager weights)", _fmt_bytes(size)])
+    b.append(Table(["", ""], rows))
+    return b
+
+
+def stage_cost_blocks(inputs: ReportInputs) -> list[Block]:
+    """Wall time and peak memory of every stage run recorded in metrics/stages."""
+    if not inputs.stages:
+        return []
+    size = _model_bytes(inputs)
+    rows = []
+    for r in inputs.stages:
+        peak = r.get("peak_rss_mb") or {}
+        top = max((v for v in (peak.get("stage"), peak.get("children")) if isinstance(v, (int, float))), default=None)
+        copies = f"{top * 2**20 / size:.1f}" if top is not None and size else "–"
+        rows.append([r.get("stage") + (f"@{r['item']}" if r.get("item") else ""), r.get("wall_s"),
+                     peak.get("stage"), peak.get("children"), copies, r.get("exit_code"), r.get("started_at")])
+    total = sum(r.get("wall_s") or 0.0 for r in inputs.stages)
+    return [Heading("Pipeline cost per stage"),
+            Para(f"Wall time and peak resident memory of each stage's last run ({total:.0f} s together; the "
+                 f"report and kserve stages record theirs after this page is written). `copies`: the larger "
+                 f"peak over the model's size ({_fmt_bytes(size)})."),
+            Table(["stage", "wall (s)", "peak RSS stage (MB)", "peak RSS children (MB)", "copies of the model",
+                   "exit", "started"], rows)]
 
 
 # --------------------------------------------------------------------------- renderers

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from pipeline.startup_check import diagnose_missed_startup
 from pipeline import task_gate
 from pipeline.torchserve import Client, ModelNotReady, TorchServe, TorchServeError, read_properties
 
@@ -434,14 +435,40 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
                          {c["id"]: c["status"] for c in out["bad_inputs"]["cases"]})
             load = run_load(ts, cases, requests, concurrency, time_cap_s)
             out["load"] = asdict(load)
+            # Peak over the worker's life so far: its load, the checks and the load above.
+            rss = ts.worker_peak_rss_mb()
+            out["worker_peak_rss_mb"] = max((v for v in rss.values() if v is not None), default=None)
             log.info("%s load: %d/%d ok, %d 5xx, %d lost, p50 %.1f ms, p99 %.1f ms, %.1f req/s, batches %s",
                      spec.name, load.requests_ok, load.requests_sent, load.errors_5xx, load.lost,
                      load.p50_ms or float("nan"), load.p99_ms or float("nan"),
                      load.throughput_rps or 0.0, load.batch_sizes_seen)
     except ModelNotReady as e:
-        out.update(ready=False, reason=e.reason, error=str(e))
+        out.update(ready=False, reason=e.reason, error=str(e), startup_timeout_s=e.startup_timeout_s,
+                   waited_s=e.waited_s)
     except TorchServeError as e:
         out.update(ready=out.get("ready", False), error=str(e))
+    else:
+        ts.cleanup()
+    return out
+
+
+def check_ready(spec: ServerSpec, *, workdir: Optional[Path] = None) -> dict:
+    """Start `spec`, record READY (and TorchServe's WorkerLoadTime), stop it: the other store form's
+    start-up, measured in the same run as the served one."""
+    ts = TorchServe(spec.config, spec.model_store, spec.name, models=spec.models, workdir=workdir,
+                    env=spec.env)
+    out: dict[str, Any] = {"models": spec.models}
+    try:
+        with ts:
+            r = ts.readiness
+            out.update(ready=True, ready_s=r.ready_s, all_workers_ready_s=r.all_ready_s,
+                       worker_load_ms=r.worker_load_ms)
+            log.info("%s (%s) READY in %.2f s (WorkerLoadTime %s ms)", spec.name, spec.models, r.ready_s,
+                     r.worker_load_ms)
+    except ModelNotReady as e:
+        out.update(ready=False, reason=e.reason, error=str(e))
+    except TorchServeError as e:
+        out.update(ready=False, error=str(e))
     else:
         ts.cleanup()
     return out
@@ -455,11 +482,24 @@ def _settings(desc: dict) -> dict:
 # --------------------------------------------------------------------------- winner vs baseline
 def serve_check(winner: ServerSpec, baseline: Optional[ServerSpec], cases: list[HttpCase], *,
                 task: str, atol: float, rtol: float, gate: Optional[dict] = None, requests: int, concurrency: int,
-                time_cap_s: float) -> dict:
+                time_cap_s: float, alternate: Optional[ServerSpec] = None,
+                store_form: str = "mar", startup: Optional[dict] = None) -> dict:
     """The metrics/serve_check.json record: the winner's figures at the top level, the baseline's
-    under `baseline`, `ratios` winner/baseline, and `ok` + `failures` (why the stage must fail)."""
+    under `baseline`, `ratios` winner/baseline, and `ok` + `failures` (why the stage must fail).
+
+    alternate: the same model in the other store form (pipeline/store_form.py), READY only;
+    `store_forms` records READY of both. startup: `startup_check.startup_evidence` of the
+    derivation, to say what a worker killed at its startupTimeout needed."""
     w = check_server(winner, cases, task=task, atol=atol, rtol=rtol, gate=gate, requests=requests,
                      concurrency=concurrency, time_cap_s=time_cap_s)
+    if w.get("reason") == "startup_timeout":
+        w["startup_diagnosis"] = diagnose_missed_startup(w.get("startup_timeout_s"), w.get("waited_s"), startup)
+    forms = None
+    if alternate is not None:
+        other = check_ready(alternate)
+        forms = {"chosen": store_form,
+                 store_form: {k: w.get(k) for k in ("ready", "ready_s", "all_workers_ready_s", "worker_load_ms")},
+                 ("mar" if store_form == "folder" else "folder"): other}
     b = None
     if baseline is not None:
         # Same load, same run. No bad inputs (the naive handler is not expected to survive them) and
@@ -468,7 +508,8 @@ def serve_check(winner: ServerSpec, baseline: Optional[ServerSpec], cases: list[
         b = check_server(baseline, cases, task=task, atol=atol, rtol=rtol, requests=requests,
                          concurrency=concurrency, time_cap_s=time_cap_s, bad_inputs=False, parity=False)
     record = {**_flat(w), "winner": w, "baseline": _flat(b) if b else None,
-              "baseline_detail": b, "ratios": _ratios(w, b)}
+              "baseline_detail": b, "ratios": _ratios(w, b), "store_form": store_form, "store_forms": forms,
+              "startup_diagnosis": w.get("startup_diagnosis")}
     record["failures"] = _failures(w)
     record["ok"] = not record["failures"]
     return record
@@ -489,7 +530,7 @@ def _flat(r: dict) -> dict:
         "throughput_rps": load.get("throughput_rps"), "batch_sizes_seen": load.get("batch_sizes_seen", {}),
         "bad_inputs": {c["id"]: c["status"] for c in bad.get("cases", [])},
         "settings": r.get("settings"), "token_authorization": r.get("token_authorization"),
-        "error": r.get("error"),
+        "error": r.get("error"), "worker_peak_rss_mb": r.get("worker_peak_rss_mb"),
     }
 
 
@@ -508,7 +549,9 @@ def _ratios(w: dict, b: Optional[dict]) -> dict:
 
 def _failures(w: dict) -> list[str]:
     if not w.get("ready"):
-        return [f"the model never became READY: {w.get('error', 'unknown error')}"]
+        diagnosis = (w.get("startup_diagnosis") or {}).get("message")
+        return [f"the model never became READY: {diagnosis + ' — ' if diagnosis else ''}"
+                f"{w.get('error', 'unknown error')}"]
     out = []
     if w.get("error"):
         out.append(w["error"])

@@ -15,10 +15,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pipeline.store_form import choose_store_form
+
 # TorchServe's frontend defaults, used when nothing better is known (torchserve-0.12.md).
 TS_DEFAULT_MAX_REQUEST_SIZE = 6553500
 JSON_BYTES_PER_FLOAT = 32          # worst case of a float32 as JSON text: "-1.2345678901234567e-05, "
 REQUEST_OVERHEAD_BYTES = 4096      # JSON brackets, keys, headers of a multipart body
+REFERENCE_DISK_MB_S = 200.0       # the disk the derivation always shows startupTimeout for
 MIN_BODY_LIMIT = 65536             # below this, a limit only produces confusing 413s
 TEXT_BYTES_PER_TOKEN = 64          # a token is a few UTF-8 chars; 64 leaves room for text the tokenizer truncates
 
@@ -381,11 +384,17 @@ def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optiona
     raw_read_ms = (benchmark.get("cold_load") or {}).get("raw_read_ms")
     measured_mb_s = (artifact_bytes / 1e6) / (raw_read_ms / 1000.0) if raw_read_ms and artifact_bytes else None
     target = s.get("target_disk_read_mb_s")
-    disk_s = 0.0
-    if target and artifact_bytes and (measured_mb_s is None or target < measured_mb_s):
-        disk_s = artifact_bytes / 1e6 / float(target)
-    raw = (max_ms / 1000.0 + worker_import + warmup_s) * safety + margin + disk_s
-    put("startup_timeout_s", Derived(max(int(s["startup_floor_s"]), int(math.ceil(raw))),
+    base_s = (max_ms / 1000.0 + worker_import + warmup_s) * safety + margin
+
+    def slower_disk_s(mb_s: Optional[float]) -> float:
+        return artifact_bytes / 1e6 / float(mb_s) if mb_s and artifact_bytes and (
+            measured_mb_s is None or mb_s < measured_mb_s) else 0.0
+
+    def timeout_for(extra_s: float) -> int:
+        return max(int(s["startup_floor_s"]), int(math.ceil(base_s + extra_s)))
+    disk_s = slower_disk_s(target)
+    raw = base_s + disk_s
+    put("startup_timeout_s", Derived(timeout_for(disk_s),
         "max(startup_floor_s, ceil((worst cold load + worker torch import + warm-up call at batchSize) "
         "× startup_safety + startup_margin_s + [artifact MB / target_disk_read_mb_s when that disk is "
         "slower than the measured read]))",
@@ -394,7 +403,16 @@ def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optiona
          "artifact_bytes": artifact_bytes, "raw_read_ms": raw_read_ms,
          "measured_read_mb_s": round(measured_mb_s, 1) if measured_mb_s else None,
          "target_disk_read_mb_s": target, "disk_read_s": round(disk_s, 3),
-         "startup_floor_s": s["startup_floor_s"], "unrounded_s": round(raw, 3)}))
+         "startup_floor_s": s["startup_floor_s"], "unrounded_s": round(raw, 3),
+         # What a plain 200 MB/s disk (a cloud volume, a cold host) would need, whatever the target.
+         "at_reference_disk": {"read_mb_s": REFERENCE_DISK_MB_S,
+                               "disk_read_s": round(slower_disk_s(REFERENCE_DISK_MB_S), 3),
+                               "startup_timeout_s": timeout_for(slower_disk_s(REFERENCE_DISK_MB_S))}}))
+
+    # ---- how the model sits in the model store: .mar, or the .mar unpacked into a folder
+    form, fformula, finputs = choose_store_form(artifact_bytes or None, raw_read_ms,
+                                                float(s.get("folder_store_min_mb", 500.0)))
+    put("store_form", Derived(form, fformula, finputs))
     rsafety = float(s["response_safety"])
     rraw = (point.p99_ms * rsafety + delay) / 1000.0
     put("response_timeout_s", Derived(max(int(s["response_floor_s"]), int(math.ceil(rraw))),

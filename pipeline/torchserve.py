@@ -47,10 +47,13 @@ class TorchServeError(RuntimeError):
 class ModelNotReady(TorchServeError):
     """The model did not become READY. `reason`: startup_timeout | worker_died | server_exited | timeout."""
 
-    def __init__(self, message: str, reason: str, log_tail: str = ""):
+    def __init__(self, message: str, reason: str, log_tail: str = "", *,
+                 startup_timeout_s: Optional[float] = None, waited_s: Optional[float] = None):
         super().__init__(f"{message}\n--- worker/server log tail ---\n{log_tail}" if log_tail else message)
         self.reason = reason
         self.log_tail = log_tail
+        self.startup_timeout_s = startup_timeout_s    # the model's startupTimeout as the server reported it
+        self.waited_s = waited_s                      # `--start` → the failure was seen
 
 
 @dataclass(frozen=True)
@@ -362,11 +365,14 @@ class TorchServe:
                 self._fail("TorchServe exited during start-up", "server_exited")
             text, log_offset = self._read_from(self.logs / "ts_log.log", log_offset)
             if _STARTUP_TIMEOUT_MARK in text:
+                # TorchServe kills the worker and retries it with backoff for minutes (predictions
+                # hang, /ping stays Healthy): stop at the first kill instead.
                 st = startup_timeout if startup_timeout is not None else "its"
                 self._fail(f"model {self.model_name!r}: loading exceeded its startupTimeout "
-                           f"({st} s): the worker did not answer LOAD in time and TorchServe killed it. "
+                           f"({st} s): the worker did not answer LOAD in time and TorchServe killed it "
+                           f"({now - t0:.1f} s after start; it would retry it with backoff). "
                            f"Raise startupTimeout in model-config.yaml or make loading faster",
-                           "startup_timeout")
+                           "startup_timeout", startup_timeout_s=startup_timeout, waited_s=now - t0)
             if any(m in text for m in _WORKER_DIED_MARKS):
                 self._fail(f"model {self.model_name!r}: the worker died while loading "
                            f"(see the model log below for the Python error)", "worker_died")
@@ -390,10 +396,10 @@ class TorchServe:
                            f"workers: {[w.get('status') for w in desc.get('workers', [])]}", "timeout")
             time.sleep(POLL_S)
 
-    def _fail(self, message: str, reason: str):
+    def _fail(self, message: str, reason: str, **details):
         tail = self.log_tail()
         self.stop(check=False)
-        raise ModelNotReady(f"{message} [server dir: {self.workdir}]", reason, tail)
+        raise ModelNotReady(f"{message} [server dir: {self.workdir}]", reason, tail, **details)
 
     def _try_describe(self) -> Optional[dict]:
         try:
@@ -468,6 +474,13 @@ class TorchServe:
 
     def worker_pids(self) -> dict[str, Optional[int]]:
         return {w["id"]: w.get("pid") for w in self.describe_model().get("workers", [])}
+
+    def worker_peak_rss_mb(self) -> dict[str, Optional[float]]:
+        """Peak resident memory of each worker process so far (Linux VmHWM; else the current RSS), MB."""
+        out = {}
+        for wid, pid in self.worker_pids().items():
+            out[wid] = _peak_rss_mb(pid) if pid else None
+        return out
 
     # ------------------------------------------------------------------ logs
     @staticmethod
@@ -548,6 +561,19 @@ class TorchServe:
 
 def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root + os.sep)
+
+
+def _peak_rss_mb(pid: int) -> Optional[float]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024.0, 1)      # kB
+    except OSError:
+        pass
+    try:
+        return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+    except psutil.Error:
+        return None
 
 
 def _alive(pid: int) -> bool:

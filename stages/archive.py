@@ -3,6 +3,7 @@ artifacts/baseline/ (<name>.mar + config.properties).
 
     python -m stages.archive [--params FILE] [--no-baseline]
 
+Also unpacks the .mar into artifacts/model_store/<name>/ (the folder form, pipeline/store_form.py).
 Reads artifacts/selection.json, artifacts/variants/<winner>/, artifacts/serve/model-config.yaml
 (+ derivation.json), artifacts/env.json. Exits non-zero with one clear message when an input is missing.
 """
@@ -16,6 +17,7 @@ import time
 from pipeline.archive import ArchiveError, build_archive, build_baseline
 from pipeline.params import ParamsError, load_params
 from pipeline.paths import BASELINE_DIR, ENV_JSON, MODEL_STORE, SELECTION_JSON, SERVE_DIR, VARIANTS_DIR
+from pipeline.store_form import unpack_mar
 
 log = logging.getLogger("stages.archive")
 
@@ -33,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
                                serve_dir=SERVE_DIR, env_path=ENV_JSON, export_dir=MODEL_STORE)
         log.info("wrote %s (%d files, %.1f MB, handler %s) in %.1f s", result.path, len(result.files),
                  result.bytes / 1e6, result.handler, time.perf_counter() - t0)
+        # Both store forms are published: the .mar, and the folder TorchServe can use in place.
+        t1 = time.perf_counter()
+        folder = unpack_mar(result.path, MODEL_STORE / params.model.name)
+        log.info("unpacked it into %s (the folder model store form) in %.1f s", folder, time.perf_counter() - t1)
         if not args.no_baseline:
             t1 = time.perf_counter()
             base = build_baseline(params, variants_dir=VARIANTS_DIR, baseline_dir=BASELINE_DIR)
@@ -45,4 +51,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.stage_record import run_timed   # metrics/stages/archive.json: wall time + peak memory
+    sys.exit(run_timed("archive", main))

@@ -86,4 +86,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.stage_record import run_timed   # metrics/stages/benchmark/<variant>.json: wall time + peak memory
+    sys.exit(run_timed("benchmark", main, item=sys.argv[1] if len(sys.argv) > 1 else None))

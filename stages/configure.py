@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                                               model_store=model_store, bind_address=serve.bind_address,
                                               platform=serve.platform, ports=ports, source=source)
         cmd = start_command(model_name=m.name, model_store=model_store, config_path=config_path.resolve(),
-                            threads=derivation["threads_per_worker"].value, platform=serve.platform)
+                            threads=derivation["threads_per_worker"].value, platform=serve.platform,
+                            store_form=derivation["store_form"].value)
         write_start_command(out / "start_command.txt", cmd, serve.platform)
     except (ParamsError, ConfigureError, DerivationError, ConfigWriteError) as e:
         print(f"configure: error: {e}", file=sys.stderr)
@@ -101,4 +102,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.stage_record import run_timed   # metrics/stages/configure.json: wall time + peak memory
+    sys.exit(run_timed("configure", main))

@@ -47,4 +47,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.stage_record import run_timed   # metrics/stages/convert/<variant>.json: wall time + peak memory
+    sys.exit(run_timed("convert", main, item=sys.argv[1] if len(sys.argv) > 1 else None))

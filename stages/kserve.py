@@ -54,4 +54,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.stage_record import run_timed   # metrics/stages/kserve.json: wall time + peak memory
+    sys.exit(run_timed("kserve", main))

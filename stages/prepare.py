@@ -45,4 +45,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.stage_record import run_timed   # metrics/stages/prepare.json: wall time + peak memory
+    sys.exit(run_timed("prepare", main))

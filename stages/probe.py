@@ -37,4 +37,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.stage_record import run_timed   # metrics/stages/probe.json: wall time + peak memory
+    sys.exit(run_timed("probe", main))

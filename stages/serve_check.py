@@ -16,6 +16,8 @@ import sys
 from pipeline.params import ParamsError, as_dict, load_params
 from pipeline.paths import BASELINE_DIR, GOLDEN_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR
 from pipeline.serve_check import ServerSpec, load_http_cases, serve_check, tolerance_from_mar
+from pipeline.startup_check import startup_evidence
+from pipeline.store_form import FORMS, form_of, store_entry
 
 log = logging.getLogger("stages.serve_check")
 
@@ -52,10 +54,22 @@ def main(argv=None) -> int:
             log.error("%s is missing; run the archive stage, or set serve_check.baseline: false",
                       BASELINE_DIR / f"{name}.mar")
             return 2
-    winner = ServerSpec(name, MODEL_STORE, config, env=start_env(SERVE_DIR, name, MODEL_STORE, config))
-    record = serve_check(winner, baseline, cases, task=params.model.task,
+    derivation_path = SERVE_DIR / "derivation.json"
+    derivation = json.loads(derivation_path.read_text()) if derivation_path.is_file() else None
+    form = form_of(derivation)
+    env = start_env(SERVE_DIR, name, MODEL_STORE, config)
+    # The chosen store form gets every check; the other one (when published) its READY, same run.
+    forms = {f: ServerSpec(name, MODEL_STORE, config, mar=store_entry(name, f), env=env) for f in FORMS
+             if (MODEL_STORE / store_entry(name, f)).exists()}
+    if form not in forms:
+        log.error("%s is missing (derivation.json chose the %s store form); re-run the archive stage",
+                  MODEL_STORE / store_entry(name, form), form)
+        return 2
+    alternate = next((spec for f, spec in forms.items() if f != form), None)
+    record = serve_check(forms[form], baseline, cases, task=params.model.task,
                          atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,
-                         concurrency=sc.concurrency, time_cap_s=sc.time_cap_s)
+                         concurrency=sc.concurrency, time_cap_s=sc.time_cap_s, alternate=alternate,
+                         store_form=form, startup=startup_evidence(derivation))
     SERVE_CHECK_JSON.parent.mkdir(parents=True, exist_ok=True)
     SERVE_CHECK_JSON.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     r = record["ratios"]
@@ -89,4 +103,5 @@ def _r(x):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.stage_record import run_timed   # metrics/stages/serve_check.json: wall time + peak memory
+    sys.exit(run_timed("serve_check", main))
