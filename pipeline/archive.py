@@ -187,8 +187,9 @@ def package(model_name: str, entry_handler: Path, files: dict[str, Path | bytes]
             extra_files=str(stage), export_path=str(export_dir), archive_format=archive_format,
             force=True, config_file=str(config_copy) if config_copy else None)
         generate_model_archive(cfg)
-    mar = export_dir / f"{model_name}.mar"
-    if not mar.is_file():
+    # no-archive: the archiver writes the folder form <export_dir>/<model_name>/ instead of a file.
+    mar = export_dir / (model_name if archive_format == "no-archive" else f"{model_name}.mar")
+    if not mar.exists():
         raise ArchiveError(f"torch-model-archiver did not write {mar}")
     return mar
 
@@ -243,11 +244,13 @@ def variant_files(folder: Path, variant: dict) -> dict[str, Path]:
 
 
 def build_archive(params: Params, *, selection_path: Path, variants_dir: Path, serve_dir: Path,
-                  env_path: Path, export_dir: Path, archive_format: str = "zip-store") -> ArchiveResult:
-    """The winner's .mar with provenance.json."""
+                  env_path: Path, export_dir: Path, archive_format: str = "zip-store",
+                  variant_name: Optional[str] = None) -> ArchiveResult:
+    """The winner's .mar with provenance.json (`variant_name`: another converted variant instead,
+    e.g. the hand-tuned reference's onnx)."""
     name = params.model.name
     selection = _read_json(selection_path, "the select stage's decision")
-    winner = selection.get("winner")
+    winner = variant_name or selection.get("winner")
     if not winner:
         raise ArchiveError(f"{selection_path}: no winner ({selection.get('message', 'no message')}); "
                            f"nothing to archive")

@@ -188,11 +188,24 @@ class ServeParams:
 
 
 @dataclass(frozen=True)
+class TuneParams:
+    """The tune stage (pipeline/tuning.py): candidates served in a real TorchServe under the expected load."""
+    enabled: bool = True                       # false: the offline choice is served untested (verdict: predicted)
+    rounds: int = 2                            # every candidate served this many times, interleaved
+    measure_s: float = 2.0                     # seconds of load per candidate and round (after a warm-up)
+    warmup_requests: int = 32                  # per server start, not measured
+    max_candidates: int = 5                    # offline choice + larger batches + the other workers × threads layout
+    frontend: bool = True                      # also try disable_system_metrics and netty thread counts
+
+
+@dataclass(frozen=True)
 class ServeCheckParams:
     requests: int = 320
     concurrency: int = 16
     time_cap_s: float = 120.0
     baseline: bool = True
+    handtuned: bool = True                     # also serve the hand-tuned ONNX reference (pipeline/handtuned.py)
+    rounds: int = 2                            # winner, hand-tuned and baseline served in interleaved rounds
 
 
 @dataclass(frozen=True)
@@ -208,6 +221,7 @@ class Params:
     conversion: ConversionParams = field(default_factory=ConversionParams)
     benchmark: BenchmarkParams = field(default_factory=BenchmarkParams)
     serve: ServeParams = field(default_factory=ServeParams)
+    tune: TuneParams = field(default_factory=TuneParams)
     serve_check: ServeCheckParams = field(default_factory=ServeCheckParams)
     publish: PublishParams = field(default_factory=PublishParams)
 
@@ -371,6 +385,16 @@ def _check_semantics(p: Params) -> None:
              "MB >= 0 (0: always serve from the unpacked folder)")):
         if not ok:
             raise _bad(f"serve.{key}", value, allowed)
+    t = p.tune
+    for key, value, ok, allowed in (
+            ("rounds", t.rounds, t.rounds >= 1, "an integer >= 1 (2 or more to see the noise)"),
+            ("measure_s", t.measure_s, t.measure_s > 0, "seconds > 0"),
+            ("warmup_requests", t.warmup_requests, t.warmup_requests >= 0, "an integer >= 0"),
+            ("max_candidates", t.max_candidates, t.max_candidates >= 1, "an integer >= 1")):
+        if not ok:
+            raise _bad(f"tune.{key}", value, allowed)
+    if p.serve_check.rounds < 1:
+        raise _bad("serve_check.rounds", p.serve_check.rounds, "an integer >= 1")
     if not _NAME_OK(m.name):
         raise _bad("model.name", m.name, "letters, digits, '_', '-', '.', starting with a letter or digit")
 

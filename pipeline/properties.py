@@ -260,3 +260,32 @@ def write_start_command(path: str | Path, cmd: dict, platform: str = "linux") ->
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(format_start_command(cmd, platform))
     return path
+
+
+# --------------------------------------------------------------------------- the serve folder
+def write_serve_files(out: str | Path, derivation: dict, *, model_name: str, serve: Any, model_store: str | Path,
+                      source: str = "", frontend: Optional[dict] = None) -> Path:
+    """derivation.json, model-config.yaml, config.properties and start_command.txt into `out` (the
+    configure stage's proposal, then the tune stage's served choice). `serve`: ServeParams.
+    `frontend`: extra config.properties settings (e.g. disable_system_metrics) the tuner kept."""
+    import json
+
+    from pipeline.serve_config import derivation_as_dict, values
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plain = derivation_as_dict(derivation)
+    (out / "derivation.json").write_text(json.dumps(plain, indent=2) + "\n")
+    write_model_config(out / "model-config.yaml", derivation, source=source)
+    ports = {"inference": serve.inference_port, "management": serve.management_port, "metrics": serve.metrics_port}
+    config_path = write_config_properties(out / "config.properties", derivation, model_name=model_name,
+                                          model_store=model_store, bind_address=serve.bind_address,
+                                          platform=serve.platform, ports=ports, source=source)
+    if frontend:
+        with open(config_path, "a", encoding="ascii") as f:
+            f.write(format_properties(frontend, ["Frontend settings kept by the tune stage (measured: derivation.json)"]))
+    vals = values(derivation)
+    cmd = start_command(model_name=model_name, model_store=model_store, config_path=config_path.resolve(),
+                        threads=int(vals["threads_per_worker"]), platform=serve.platform,
+                        store_form=vals.get("store_form") or "mar")
+    write_start_command(out / "start_command.txt", cmd, serve.platform)
+    return config_path

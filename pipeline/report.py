@@ -50,6 +50,7 @@ class ReportInputs:
     config_properties: Optional[str] = None
     start_command: Optional[str] = None
     serve_check: Optional[dict] = None
+    tuning: Optional[dict] = None                         # artifacts/serve/tuning.json (the tune stage)
     mar: Optional[dict] = None                            # {"path", "bytes", "sha256"}
     stages: list = field(default_factory=list)            # metrics/stages records (pipeline/stage_record.py)
     missing: list[str] = field(default_factory=list)      # inputs that were not there (for the page)
@@ -112,6 +113,7 @@ def collect_inputs(root: Path, model_name: str, latency_slo_ms: float, variants:
     cmd = _read_text(a / "serve" / "start_command.txt", missing, root)
     inputs.start_command = cmd.strip() if cmd else None
     inputs.serve_check = _read_json(m / "serve_check.json", missing, root)
+    inputs.tuning = _read_json(a / "serve" / "tuning.json", missing, root)
     inputs.stages = read_records(m / "stages")
     mar = a / "model_store" / f"{model_name}.mar"
     if mar.is_file():
@@ -203,6 +205,7 @@ def summary_metrics(inputs: ReportInputs) -> dict:
             "ratio_p99": ratios.get("p99")}
     else:
         out["serve_check"] = {"ran": False}
+    out.update(served_verdict(inputs))
     if inputs.stages:
         out["pipeline_wall_s"] = round(sum(r.get("wall_s") or 0.0 for r in inputs.stages), 1)
     return out
@@ -408,7 +411,8 @@ def build_blocks(inputs: ReportInputs, images: dict[str, Path]) -> list[Block]:
     if sel is None:
         b.append(Para("**No decision yet**: `artifacts/selection.json` is missing (run `dvc repro select`)."))
     else:
-        slo = "met" if sel.get("slo_met") else "**NOT met**"
+        slo = ("met" if summary.get("slo_met") else "**NOT met**") + (
+            " in TorchServe under the expected load" if summary.get("slo_basis") == "served" else " (offline prediction)")
         b.append(Para(f"Winner: **{w}** (objective: {sel.get('objective', '–')}; "
                       f"latency SLO {inputs.latency_slo_ms:g} ms p99: {slo})."))
         if sel.get("message"):
@@ -418,6 +422,8 @@ def build_blocks(inputs: ReportInputs, images: dict[str, Path]) -> list[Block]:
             ["workers", summary["workers"]], ["p99 at that batch, benchmark (ms)", summary["p99_ms"]],
             ["throughput at that batch, benchmark (samples/s)", summary["throughput_sps"]],
             ["cold load, median total (ms)", summary["cold_load_ms"]]]))
+
+    b += tuning_blocks(inputs)
 
     b.append(Heading("Variants"))
     b.append(Para("Every variant listed in params, with its verification, its measurements and why it "
@@ -768,3 +774,76 @@ def write_report(inputs: ReportInputs, reports_dir: Path, summary_json: Path) ->
     summary_json.parent.mkdir(parents=True, exist_ok=True)
     summary_json.write_text(json.dumps(summary_metrics(inputs), indent=2) + "\n")
     return ReportFiles(markdown=md, html=page, images=images, summary=summary_json)
+
+
+# --------------------------------------------------------------------------- served operating point
+def served_verdict(inputs: ReportInputs) -> dict:
+    """summary.json's SLO verdict: the tune stage's served one (selection's offline prediction kept
+    beside it), plus the served figures and the ratios to the hand-tuned reference."""
+    t = inputs.tuning or {}
+    sel = inputs.selection or {}
+    out: dict[str, Any] = {"slo_met_predicted": sel.get("slo_met")}
+    if t and t.get("enabled", True) and "served_p99_ms" in t:
+        out.update(slo_met=t.get("slo_met"), slo_basis="served", served_p99_ms=t.get("served_p99_ms"),
+                   served_throughput_rps=t.get("served_throughput_rps"), replicas=t.get("replicas"),
+                   tuning_s=t.get("duration_s"), tuned_replaced_offline=t.get("replaced_offline"))
+    else:
+        out["slo_basis"] = "predicted"
+    refs = (inputs.serve_check or {}).get("references") or {}
+    rh = refs.get("ratios_handtuned") or {}
+    if rh:
+        out["vs_handtuned"] = {"throughput": rh.get("throughput"), "throughput_within_slo": rh.get("throughput_within_slo"),
+                               "p99": rh.get("p99"), "ready": rh.get("ready"), "rounds": refs.get("rounds")}
+    return out
+
+
+def tuning_blocks(inputs: ReportInputs) -> list[Block]:
+    """The candidates served by the tune stage: predicted vs served, batches formed, and why the
+    served one won; then the winner against the hand-tuned reference and the baseline."""
+    t = inputs.tuning
+    if not t:
+        return [Heading("Served operating point"),
+                Para("`artifacts/serve/tuning.json` is missing (run `dvc repro tune`): the SLO verdict above is "
+                     "the offline prediction.")]
+    b: list[Block] = [Heading("Served operating point (tuned in TorchServe)")]
+    if not t.get("enabled", True):
+        return b + [Para("Tuning is off (`tune.enabled: false`): the offline choice is served untested.")]
+    b.append(Para(f"**{t.get('message')}**"))
+    b.append(Para(f"{len(t.get('candidates') or [])} candidates from the offline curve, each served "
+                  f"{(t.get('settings') or {}).get('rounds')} times in interleaved rounds with "
+                  f"{t.get('expected_concurrency')} requests in flight; tuning took {_fmt(t.get('duration_s'))} s "
+                  f"({t.get('server_starts')} server starts, {t.get('registrations', 0)} re-registrations)."))
+
+    def rows(cands):
+        out = []
+        for c in cands:
+            p = c.get("predicted") or {}
+            st = c.get("settings") or {}
+            out.append([c.get("name"), f"{st.get('batch_size')} / {st.get('max_batch_delay_ms')} ms / "
+                        f"{st.get('workers')}×{st.get('threads_per_worker')}",
+                        p.get("throughput_rps"), c.get("throughput_rps"), p.get("request_p99_ms"), c.get("p99_ms"),
+                        c.get("throughput_spread"), c.get("batches_formed"), c.get("meets_slo")])
+        return out
+    header = ["candidate", "batch / delay / workers×threads", "predicted req/s", "served req/s", "predicted p99 (ms)",
+              "served p99 (ms)", "rounds' spread", "batches formed {size: count}", "served p99 ≤ SLO"]
+    b.append(Table(header, rows(t.get("candidates") or [])))
+    b.append(Para("Why: " + " → ".join(t.get("decision_steps") or [])))
+    fe = t.get("frontend")
+    if fe:
+        b.append(Heading("Frontend settings", 3))
+        b.append(Table(header, rows(fe.get("candidates") or [])))
+        b.append(Para("Why: " + " → ".join(fe.get("decision_steps") or [])))
+    refs = (inputs.serve_check or {}).get("references") or {}
+    setups = refs.get("setups") or {}
+    if setups:
+        b.append(Heading("Against the hand-tuned reference and the naive baseline (serve check)", 3))
+        b.append(Para(f"Medians of {refs.get('rounds')} interleaved rounds, same host, same load. Hand-tuned: "
+                      f"{(refs.get('handtuned_setup') or {}).get('what') or (refs.get('handtuned_setup') or {}).get('reason')}."))
+        b.append(Table(["setup", "READY (s)", "req/s", "p50 (ms)", "p99 (ms)", "p99 ≤ SLO", "rounds (req/s)"],
+                       [[n, s_.get("ready_s"), s_.get("throughput_rps"), s_.get("p50_ms"), s_.get("p99_ms"),
+                         s_.get("within_slo"), [r.get("throughput_rps") and round(r["throughput_rps"], 1)
+                                                for r in s_.get("rounds") or []]]
+                        for n, s_ in setups.items()]))
+        if refs.get("ratios_handtuned"):
+            b.append(Para(f"Winner / hand-tuned: {refs['ratios_handtuned']}."))
+    return b

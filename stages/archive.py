@@ -1,5 +1,6 @@
 """archive: pack the winner into artifacts/model_store/<name>.mar and the naive baseline into
-artifacts/baseline/ (<name>.mar + config.properties).
+artifacts/baseline/ (<name>.mar + config.properties), and the hand-tuned ONNX reference into
+artifacts/handtuned/ (pipeline/handtuned.py).
 
     python -m stages.archive [--params FILE] [--no-baseline]
 
@@ -16,7 +17,9 @@ import time
 
 from pipeline.archive import ArchiveError, build_archive, build_baseline
 from pipeline.params import ParamsError, load_params
-from pipeline.paths import BASELINE_DIR, ENV_JSON, MODEL_STORE, SELECTION_JSON, SERVE_DIR, VARIANTS_DIR
+from pipeline.handtuned import build_handtuned
+from pipeline.paths import (BASELINE_DIR, ENV_JSON, HANDTUNED_DIR, MODEL_STORE, SELECTION_JSON, SERVE_DIR,
+                            VARIANTS_DIR)
 from pipeline.store_form import unpack_mar
 
 log = logging.getLogger("stages.archive")
@@ -44,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
             base = build_baseline(params, variants_dir=VARIANTS_DIR, baseline_dir=BASELINE_DIR)
             log.info("wrote baseline %s + %s in %.1f s", base.path, BASELINE_DIR / "config.properties",
                      time.perf_counter() - t1)
+        # measured.md's hand-tuned ONNX setup, built here so serve_check measures it beside the winner.
+        t1 = time.perf_counter()
+        ref = build_handtuned(params, selection_path=SELECTION_JSON, variants_dir=VARIANTS_DIR,
+                              derivation_dir=SERVE_DIR, env_path=ENV_JSON, out_dir=HANDTUNED_DIR)
+        if ref is not None:
+            log.info("wrote hand-tuned reference %s in %.1f s", ref.path, time.perf_counter() - t1)
     except (ParamsError, ArchiveError) as e:
         print(f"archive: error: {e}", file=sys.stderr)
         return 2

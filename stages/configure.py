@@ -1,4 +1,4 @@
-"""configure: derive the TorchServe settings from the winner's measurements (artifacts/serve/).
+"""configure: derive the TorchServe settings from the winner's measurements (artifacts/configured/).
 
     python -m stages.configure [--out DIR]
 
@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.params import ParamsError, load_params
-from pipeline.paths import BENCHMARK_METRICS, ENV_JSON, GOLDEN_DIR, MODEL_STORE, SELECTION_JSON, SERVE_DIR
-from pipeline.properties import (ConfigWriteError, start_command, write_config_properties, write_model_config,
-                                 write_start_command)
-from pipeline.serve_config import DerivationError, derivation_as_dict, derive_serve_config
+from pipeline.paths import BENCHMARK_METRICS, CONFIGURED_DIR, ENV_JSON, GOLDEN_DIR, MODEL_STORE, SELECTION_JSON
+from pipeline.properties import ConfigWriteError, write_serve_files
+from pipeline.serve_config import DerivationError, derive_serve_config
 
 log = logging.getLogger("stages.configure")
 
@@ -46,7 +45,9 @@ def sample_elements(golden_dir: Path) -> Optional[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(SERVE_DIR), help="output folder (default: %(default)s)")
+    parser.add_argument("--out", default=str(CONFIGURED_DIR),
+                        help="output folder: the offline proposal the tune stage tests in TorchServe "
+                             "(default: %(default)s)")
     parser.add_argument("--selection", default=str(SELECTION_JSON), help="decision (default: %(default)s)")
     parser.add_argument("--benchmarks-dir", default=str(BENCHMARK_METRICS),
                         help="benchmark records (default: %(default)s)")
@@ -74,17 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         model_store = serve.model_store or args.model_store
         source = (f"Winner: {winner} (objective {selection.get('objective')}, SLO "
                   f"{serve.latency_slo_ms:g} ms, slo_met {selection.get('slo_met')}).")
-        (out / "derivation.json").write_text(json.dumps(derivation_as_dict(derivation), indent=2) + "\n")
-        write_model_config(out / "model-config.yaml", derivation, source=source)
-        ports = {"inference": serve.inference_port, "management": serve.management_port,
-                 "metrics": serve.metrics_port}
-        config_path = write_config_properties(out / "config.properties", derivation, model_name=m.name,
-                                              model_store=model_store, bind_address=serve.bind_address,
-                                              platform=serve.platform, ports=ports, source=source)
-        cmd = start_command(model_name=m.name, model_store=model_store, config_path=config_path.resolve(),
-                            threads=derivation["threads_per_worker"].value, platform=serve.platform,
-                            store_form=derivation["store_form"].value)
-        write_start_command(out / "start_command.txt", cmd, serve.platform)
+        write_serve_files(out, derivation, model_name=m.name, serve=serve, model_store=model_store, source=source)
     except (ParamsError, ConfigureError, DerivationError, ConfigWriteError) as e:
         print(f"configure: error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@
 
 Reads artifacts/model_store/<name>.mar + artifacts/serve/config.properties, the baseline
 artifacts/baseline/{<name>.mar, config.properties} and artifacts/golden/http_cases.json; writes
-metrics/serve_check.json. Exits non-zero when the model never becomes READY, HTTP parity fails,
+metrics/serve_check.json, with the winner, the hand-tuned reference (artifacts/handtuned/) and the
+baseline measured again in interleaved rounds (`references`). Exits non-zero when the model never becomes READY, HTTP parity fails,
 a request is lost or gets a 5xx, or bad input is not rejected cleanly.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import sys
 
 from pipeline.params import ParamsError, as_dict, load_params
-from pipeline.paths import BASELINE_DIR, GOLDEN_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR
+from pipeline.paths import BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR
 from pipeline.serve_check import ServerSpec, load_http_cases, serve_check, tolerance_from_mar
 from pipeline.startup_check import startup_evidence
 from pipeline.store_form import FORMS, form_of, store_entry
@@ -70,6 +71,8 @@ def main(argv=None) -> int:
                          atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,
                          concurrency=sc.concurrency, time_cap_s=sc.time_cap_s, alternate=alternate,
                          store_form=form, startup=startup_evidence(derivation))
+    if record["ok"]:
+        record["references"] = references(params, forms[form], baseline, record, cases)
     SERVE_CHECK_JSON.parent.mkdir(parents=True, exist_ok=True)
     SERVE_CHECK_JSON.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     r = record["ratios"]
@@ -82,6 +85,38 @@ def main(argv=None) -> int:
             log.error("serve_check failed: %s", f)
         return 1
     return 0
+
+
+def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dict:
+    """Winner, hand-tuned reference (artifacts/handtuned/) and baseline in interleaved rounds
+    (pipeline/reference_rounds.py); the checks already run count as round 1."""
+    from pipeline.handtuned import read_handtuned
+    from pipeline.reference_rounds import interleaved_rounds, ratios
+    from pipeline.tuning import thread_env
+    sc, name = params.serve_check, params.model.name
+    specs, first = {"winner": winner}, {"winner": record["winner"]}
+    handtuned = read_handtuned(HANDTUNED_DIR) if sc.handtuned else {"available": False,
+                                                                       "reason": "serve_check.handtuned is false"}
+    if handtuned.get("available") and handtuned.get("model") != name:
+        handtuned = {"available": False, "reason": f"{HANDTUNED_DIR} holds model {handtuned.get('model')!r}, not "
+                                                   f"{name!r}: re-run the archive stage"}
+    if handtuned.get("available"):
+        specs["handtuned"] = ServerSpec(name, HANDTUNED_DIR, HANDTUNED_DIR / "config.properties",
+                                        mar=handtuned.get("mar"), env=thread_env(1))
+    else:
+        log.warning("hand-tuned reference not measured: %s", handtuned.get("reason"))
+    if baseline is not None and record.get("baseline_detail"):
+        specs["baseline"], first["baseline"] = baseline, record["baseline_detail"]
+    setups = interleaved_rounds(specs, cases, task=params.model.task, rounds=sc.rounds, requests=sc.requests,
+                                concurrency=sc.concurrency, time_cap_s=sc.time_cap_s,
+                                slo_ms=params.serve.latency_slo_ms, first_round=first)
+    out = {"rounds": sc.rounds, "latency_slo_ms": params.serve.latency_slo_ms, "handtuned_setup": handtuned,
+           "setups": setups,
+           "ratios_handtuned": ratios(setups["winner"], setups["handtuned"]) if "handtuned" in setups else None,
+           "ratios_baseline": ratios(setups["winner"], setups["baseline"]) if "baseline" in setups else None}
+    if out["ratios_handtuned"]:
+        log.info("winner / hand-tuned over %d interleaved rounds: %s", sc.rounds, out["ratios_handtuned"])
+    return out
 
 
 def start_env(serve_dir, name, store, config) -> dict:

@@ -22,7 +22,7 @@ from pipeline.params import REPO_ROOT
 
 BIN = Path(sys.executable).parent
 UPSTREAM = ("probe", "prepare", "convert", "benchmark")                   # must survive a serve.* change
-SERVE_CHAIN = ("select", "configure", "archive", "serve_check", "report", "kserve")
+SERVE_CHAIN = ("select", "configure", "tune", "archive", "serve_check", "report", "kserve")
 
 FAKE_STAGE = r'''
 import hashlib, json, shutil, sys

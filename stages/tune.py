@@ -1,0 +1,122 @@
+"""tune: serve candidate operating points in a real TorchServe under the expected load, keep the one
+that serves best, and give the served SLO verdict (artifacts/serve/ + metrics/tuning.json).
+
+    python -m stages.tune
+
+Reads the configure stage's proposal (artifacts/configured/), the winner's variant folder and
+benchmark curve, artifacts/golden/http_cases.json (the load) and artifacts/env.json. Writes
+artifacts/serve/{derivation.json, model-config.yaml, config.properties, start_command.txt,
+tuning.json}: what archive, serve_check, report and kserve use. Exits 1 when serve.require_slo is
+true and the served p99 misses the SLO (the message says why, in numbers), 2 on missing inputs.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from pipeline.archive import ArchiveError, build_archive
+from pipeline.params import ParamsError, load_params
+from pipeline.paths import (BENCHMARK_METRICS, CONFIGURED_DIR, ENV_JSON, GOLDEN_DIR, MODEL_STORE, SELECTION_JSON,
+                            SERVE_DIR, TUNING_METRICS, VARIANTS_DIR)
+from pipeline.properties import ConfigWriteError, write_serve_files
+from pipeline.serve_check import load_http_cases
+from pipeline.serve_config import DerivationError, curve_from_benchmark, usable_cores, values
+from pipeline.tuning import (ServedModel, TuneSettings, TuningError, candidates_from_curve, frontend_properties,
+                             tune, tuned_derivation)
+
+log = logging.getLogger("stages.tune")
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise TuningError(f"{path} not found ({what}); run the earlier stages: `dvc repro tune`")
+    return json.loads(path.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        params = load_params()
+        serve, t, name = params.serve, params.tune, params.model.name
+        selection = _read_json(SELECTION_JSON, "the select stage's decision")
+        winner = selection.get("winner")
+        if not winner:
+            raise TuningError(f"{SELECTION_JSON}: no winner — {selection.get('message')}")
+        configured = _read_json(CONFIGURED_DIR / "derivation.json", "the configure stage's derivation")
+        model_store = serve.model_store or str(MODEL_STORE.resolve())
+        source = f"Winner: {winner} (objective {selection.get('objective')}, SLO {serve.latency_slo_ms:g} ms)."
+        if not t.enabled:
+            record = {"enabled": False, "slo_met": selection.get("slo_met"),
+                      "basis": "offline prediction (tune.enabled is false: nothing was served)",
+                      "message": selection.get("message"), "duration_s": 0.0}
+            derivation = configured
+        else:
+            benchmark = _read_json(BENCHMARK_METRICS / f"{winner}.json", f"the benchmark of {winner}")
+            env = _read_json(ENV_JSON, "the probe stage's environment")
+            cases = load_http_cases(GOLDEN_DIR / "http_cases.json")
+            device = benchmark.get("device") or "cpu"
+            cores = usable_cores(env)[0] if device == "cpu" else 0     # layouts share CPU cores only
+            overridden = frozenset(k for k, v in configured.items() if isinstance(v, dict) and v.get("overridden"))
+            candidates = candidates_from_curve(
+                curve_from_benchmark(benchmark), values(configured), slo_ms=serve.latency_slo_ms,
+                headroom_share=serve.delay_headroom_share, expected_concurrency=serve.expected_concurrency,
+                cores=cores, bench_threads=int(benchmark.get("threads") or 1), overridden=overridden,
+                max_candidates=t.max_candidates)
+            log.info("candidates: %s", "; ".join(f"{c.name} ({c.describe()})" for c in candidates))
+            settings = TuneSettings(latency_slo_ms=serve.latency_slo_ms, objective=serve.objective,
+                                    min_gain=serve.min_batch_gain, expected_concurrency=serve.expected_concurrency,
+                                    rounds=t.rounds, measure_s=t.measure_s, warmup_requests=t.warmup_requests,
+                                    frontend=t.frontend)
+            t_build = time.monotonic()
+            with tempfile.TemporaryDirectory(prefix="tune-store-") as tmp:
+                # The winner as a folder-form model: each candidate rewrites its model-config.yaml.
+                folder = build_archive(params, selection_path=SELECTION_JSON, variants_dir=VARIANTS_DIR,
+                                       serve_dir=CONFIGURED_DIR, env_path=ENV_JSON, export_dir=Path(tmp) / "store",
+                                       archive_format="no-archive").path
+                base_yaml = yaml.safe_load((CONFIGURED_DIR / "model-config.yaml").read_text()) or {}
+                model = ServedModel(folder.parent, name, folder.name, CONFIGURED_DIR / "config.properties", base_yaml)
+                build_s = time.monotonic() - t_build
+                record = tune(model, cases, candidates, settings, workroot=Path(tmp) / "servers")
+            record["build_s"] = round(build_s, 2)
+            record["predicted_slo_met"] = selection.get("slo_met")
+            derivation = tuned_derivation(configured, record)
+        write_serve_files(SERVE_DIR, derivation, model_name=name, serve=serve, model_store=model_store,
+                          source=source, frontend=frontend_properties(derivation))
+        (SERVE_DIR / "tuning.json").write_text(json.dumps(record, indent=2) + "\n")
+        TUNING_METRICS.parent.mkdir(parents=True, exist_ok=True)
+        TUNING_METRICS.write_text(json.dumps(_metrics(record), indent=2) + "\n")
+    except (ParamsError, TuningError, ArchiveError, DerivationError, ConfigWriteError,
+            FileNotFoundError, ValueError) as e:
+        print(f"tune: error: {e}", file=sys.stderr)
+        return 2
+    for c in record.get("candidates") or []:
+        log.info("%-28s predicted %-32s served %s req/s, p99 %s ms (spread %.0f%%), batches %s",
+                 c["name"], c["predicted"], c["throughput_rps"], c["p99_ms"], 100 * c["throughput_spread"],
+                 c["batches_formed"])
+    for step in record.get("decision_steps") or []:
+        log.info("decision: %s", step)
+    log.info("%s (tuning took %s s)", record.get("message"), record.get("duration_s"))
+    if serve.require_slo and not record.get("slo_met"):
+        print(f"tune: error: {record.get('message')} — failing because serve.require_slo is true", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _metrics(record: dict) -> dict:
+    """The flat figures `dvc exp show` compares."""
+    keys = ("slo_met", "served_p99_ms", "served_throughput_rps", "predicted_request_p99_ms",
+            "littles_law_floor_ms", "inflight_within_slo", "replicas", "duration_s", "server_starts",
+            "replaced_offline", "chosen_name")
+    out = {k: record.get(k) for k in keys}
+    out["chosen"] = record.get("chosen")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
