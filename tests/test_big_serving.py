@@ -232,3 +232,46 @@ def test_worker_missing_a_too_short_startup_timeout_is_reported_with_the_timeout
     assert (diag["startup_timeout_s"], diag["measured_load_s"], diag["needed_startup_timeout_s"]) == (2, 60.3, 71)
     assert "startupTimeout >= 71 s" in rec["failures"][0] and "60.3 s" in rec["failures"][0]
     assert elapsed < 60          # stopped at the first kill, while the worker would still be loading
+
+
+@pytest.mark.torchserve
+@needs_java
+def test_external_data_onnx_served_by_the_onnx_handler_from_mar_and_folder(tmp_path, tensor_params):
+    """An ONNX variant with its tensors in model.onnx.data (external data, forced here by a low
+    threshold on a small MLP) is archived with its data file and answers like the reference in a
+    real TorchServe, from the .mar (unpacked by TorchServe) and from the unpacked folder."""
+    import numpy as np
+
+    from pipeline.archive import archive_contents, build_archive
+    from pipeline.torchserve import TorchServe
+    from tests.test_archive import MODEL_CONFIG
+    from tests.test_big_models import build_external_onnx, wide_mlp
+
+    record, out, golden = build_external_onnx(tensor_params, tmp_path, wide_mlp(16, 256, 3), 16, min_bytes=1 << 16)
+    assert record["status"] == "converted", record["reason"]
+    art = tmp_path / "artifacts"
+    variants, serve, store = art / "variants", art / "serve", art / "model_store"
+    variants.mkdir(parents=True)
+    shutil.move(str(out), variants / "onnx")
+    assert json.loads((variants / "onnx" / "variant.json").read_text())["external_data"] == ["model.onnx.data"]
+    serve.mkdir()
+    (serve / "model-config.yaml").write_text(MODEL_CONFIG)
+    (art / "selection.json").write_text(json.dumps({"winner": "onnx", "objective": "throughput", "slo_met": True,
+                                                    "message": "test", "variants": {}}))
+    (art / "env.json").write_text(json.dumps({"device": "cpu"}))
+    mar = build_archive(tensor_params, selection_path=art / "selection.json", variants_dir=variants,
+                        serve_dir=serve, env_path=art / "env.json", export_dir=store).path
+    assert {"model.onnx", "model.onnx.data", "onnx_handler.py"} <= set(archive_contents(mar))
+    unpack_mar(mar, store / "signalnet")
+    (tmp_path / "config.properties").write_text("default_workers_per_model=1\n")
+
+    batch = golden.batches[1]
+    for i, models in enumerate(("signalnet=signalnet.mar", "signalnet=signalnet")):
+        ts = TorchServe(tmp_path / "config.properties", store, "signalnet", models=models,
+                        workdir=tmp_path / f"server-{i}")
+        with ts:
+            for x, want in zip(batch.feeds["input"], batch.outputs[0]):
+                r = ts.predict(json.dumps(x.tolist()).encode(), "application/json")
+                assert r.status == 200, (models, r.body[:300])
+                np.testing.assert_allclose(np.asarray(r.json(), dtype=np.float32), want, atol=1e-4, rtol=1e-3)
+        ts.cleanup()
