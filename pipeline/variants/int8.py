@@ -10,7 +10,8 @@ the golden-style pictures, for tensors the golden inputs' distribution), drawn w
 so they are disjoint from the golden set that verifies the result. Reference outputs on it come from
 the fp32 graph being quantized (ONNX) or the eager module (torch).
 
-- onnx-int8-dynamic: the ORT-optimised fp32 graph (as the `onnx` variant builds it), its weight-
+- onnx-int8-dynamic: the exported fp32 graph optimised by ORT at the BASIC level (ORT's own
+  quantization pre-processing; the `onnx` variant's EXTENDED fusions would hide ops), its weight-
   bearing MatMul/Gemm/Conv quantized by onnxruntime.quantization.quantize_dynamic (int8 weights,
   per-channel where `per_channel`, activations quantized per call), then re-optimised by ORT so the
   artifact holds the fused integer kernels (MatMulIntegerToFloat / DynamicQuantizeMatMul).
@@ -131,7 +132,15 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
         with tempfile.TemporaryDirectory(prefix="int8-", dir=ctx.out_dir) as tmp:
             tmp = Path(tmp)
             fp32 = tmp / "fp32.onnx"
-            super()._optimize(ctx, raw, fp32)
+            # Quantized: the BASIC graph (constants folded, no contrib fusions such as FusedGemm or
+            # BiasGelu, which would hide MatMul/Gemm from the quantizer and from shape inference);
+            # the artifact is then optimised at the configured level with the integer kernels fused.
+            configured = self.options
+            self.options = dataclasses.replace(configured, graph_optimization="basic")
+            try:
+                super()._optimize(ctx, raw, fp32)
+            finally:
+                self.options = configured
             cal = self.calibration(ctx, _OrtRunner(fp32).run)
             candidates = weight_nodes(fp32)
             counter = [0]
@@ -190,7 +199,9 @@ class OnnxInt8StaticConverter(_OnnxInt8):
                         calibrate_method=getattr(CalibrationMethod, self.METHODS[q.calibration]),
                         calibration_cache_path=tmp / "calibration.json",
                         extra_options={"MatMulConstBOnly": True, "WeightSymmetric": True,
-                                       "ActivationSymmetric": False, **UNTYPED_AS_FLOAT})
+                                       "ActivationSymmetric": False, **UNTYPED_AS_FLOAT,
+                                       # A MatMul weight is (in, out): its output channels are axis 1.
+                                       "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}})
 
 
 def weight_nodes(path: Path) -> list[str]:

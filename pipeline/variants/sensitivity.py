@@ -65,7 +65,7 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
            budget_s: float, max_fp32_share: float) -> tuple[Any, dict]:
     """→ (the chosen quantized handle, the record for variant.json/conversion.json)."""
     t0 = time.perf_counter()
-    record: dict[str, Any] = {"quantizable_ops": len(candidates), "judged_on": f"{len(cal.feeds)} calibration batches "
+    record: dict[str, Any] = {"quantizable_ops": len(candidates), "ops": list(candidates), "judged_on": f"{len(cal.feeds)} calibration batches "
                               f"({sum(len(next(iter(f.values()))) for f in cal.feeds)} samples)", "attempts": []}
 
     def attempt(kept: list[str]):

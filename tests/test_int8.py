@@ -1,0 +1,260 @@
+"""int8 variants (issue 14): the task gate, the three converters on tiny models (a model that passes,
+an outlier channel that fails and is rejected with its figure, the sensitivity fallback that keeps
+the outlier's consumer fp32 and passes), host suitability, and an int8 .mar in a real TorchServe
+whose HTTP answers are judged by the int8 gate."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from pipeline import task_gate
+from pipeline.params import ParamsError, Tolerance, _default_tolerances
+from pipeline.verify import compare
+
+INT8 = ["onnx-int8-dynamic", "onnx-int8-static", "int8"]
+INT8_TOL = _default_tolerances()["int8"]
+needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
+
+OUTLIER_FACTORY = '''
+import torch
+from torch import nn
+
+
+def build(outlier=0.0):
+    """An MLP over 4 tokens of 16 features (3-D, so ONNX exports MatMul as for a transformer); with `outlier`, hidden channel 0 is `outlier` times larger and its consumer's weights
+    as much smaller: the same function in fp32, but an activation whose per-tensor int8 range the
+    one channel dominates (the failure LLM.int8 / SmoothQuant describe)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    if outlier:
+        with torch.no_grad():
+            m[0].bias[0] = 3.0                 # channel 0 active for (almost) every input
+            m[0].weight[0] *= outlier
+            m[0].bias[0] *= outlier
+            m[2].weight[:, 0] /= outlier
+    return m.eval()
+'''
+
+
+# --------------------------------------------------------------------------- the gate, pure
+def _unit(x):
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_embedding_figures_recall_and_k_rule():
+    rng = np.random.default_rng(0)
+    ref = _unit(rng.standard_normal((41, 16)))
+    same = task_gate.embedding_figures(ref.copy(), ref, recall_k=10)
+    assert same["k"] == 10 and same["recall_at_k"] == 1.0 and same["min_cosine"] == pytest.approx(1.0)
+    # A small set gets a small k: neighbours stay a quarter of the others at most.
+    assert task_gate.embedding_figures(ref[:9], ref[:9], recall_k=10)["k"] == 2
+    # Every vector rotated by the same orthogonal map: cosine to the reference collapses, but the
+    # neighbourhoods are intact — the two figures measure different things.
+    q, _ = np.linalg.qr(rng.standard_normal((16, 16)))
+    rotated = task_gate.embedding_figures(ref @ q, ref, 10)
+    assert rotated["recall_at_k"] == pytest.approx(1.0) and rotated["min_cosine"] < 0.9
+    # Shuffled rows: each sample keeps a unit vector, but its neighbours are someone else's.
+    shuffled = task_gate.embedding_figures(ref[rng.permutation(41)], ref, 10)
+    assert shuffled["recall_at_k"] < 0.5
+    reason = task_gate.judge(shuffled, INT8_TOL)
+    assert "cosine" in reason          # cosine is checked first; the shuffle breaks it too
+
+
+def test_recall_gate_catches_what_cosine_lets_through():
+    rng = np.random.default_rng(1)
+    ref = _unit(rng.standard_normal((41, 64)) * 0.05 + 1.0)      # a tight cluster: neighbours are fragile
+    got = _unit(ref + rng.standard_normal(ref.shape) * 0.004)
+    f = task_gate.embedding_figures(got, ref, 10)
+    assert f["min_cosine"] > INT8_TOL.min_cosine and f["recall_at_k"] < INT8_TOL.min_recall_at_k
+    assert task_gate.judge(f, INT8_TOL).startswith("recall@10")
+
+
+def test_classification_figures_and_verify_compare_use_the_task_gate():
+    ref = np.eye(6, 10)[[0, 1, 2, 3, 4, 5] * 5] * 5.0 + np.linspace(0, 1, 10)    # 30 samples, clear winners
+    got = ref.copy()
+    got[3] = np.roll(got[3], 1)                                                    # one sample's top class moves
+    figures = task_gate.figures_from_outputs("image-classification", got, ref, INT8_TOL)
+    assert figures["top1_agreement"] == pytest.approx(29 / 30) and figures["first_disagreeing_samples"] == [3]
+    results = [(30, [got], [ref])]
+    v = compare(results, ["logits"], INT8_TOL, True, 0.99, task="image-classification")
+    assert not v.passed and "top-1 agreement 0.9667 < min_top1_agreement 0.97" in v.reason
+    assert v.as_dict()["task_gate"]["logits"]["top1_disagreements"] == 1
+    lenient = Tolerance(**{**INT8_TOL.__dict__, "min_top1_agreement": 0.95})
+    assert compare(results, ["logits"], lenient, True, 0.99, task="image-classification").passed
+    # The float gates are untouched: the same figures judged element-wise fail on the moved logits.
+    assert not compare(results, ["logits"], _default_tolerances()["bfloat16"], True, 0.99,
+                       task="image-classification").passed
+
+
+def test_http_responses_judged_by_the_gate():
+    from pipeline.serve_check import response_within
+    gate = {**INT8_TOL.__dict__}
+    e = {"embedding": [0.6, 0.8, 0.0]}
+    close = {"embedding": [0.61, 0.79, 0.01]}
+    assert not response_within(close, e, 1e-4, 1e-3)[0]               # element-wise float32 gate: a miss
+    assert response_within(close, e, 1e-4, 1e-3, gate)[0]             # the int8 gate: cosine 0.9998
+    ok, _, msg = response_within({"embedding": [0.8, 0.6, 0.0]}, e, 1e-4, 1e-3, gate)
+    assert not ok and "cosine" in msg
+    top = {"top_k": [{"index": 3, "label": "c", "probability": 0.5}, {"index": 1, "label": "b", "probability": 0.4}]}
+    swapped = {"top_k": [{"index": 1, "label": "b", "probability": 0.45}, {"index": 3, "label": "c", "probability": 0.44}]}
+    assert response_within(swapped, top, 1e-4, 1e-3, gate)[0]        # near-tie swap: judged over all answers
+    figures = task_gate.responses_figures([(swapped, top), (top, top)], gate)
+    assert figures["top1_agreement"] == 0.5 and task_gate.judge(figures, gate).startswith("top-1 agreement")
+
+
+def test_params_need_an_int8_tolerance_when_int8_variants_are_listed(make_params):
+    model = {"name": "m", "source": "state_dict", "checkpoint": "x.pt", "factory": "x.py:b", "task": "tensor",
+             "input_shape": [4]}
+    floats = {k: v.__dict__ for k, v in _default_tolerances().items() if k != "int8"}
+    with pytest.raises(ParamsError, match="an `int8` entry"):
+        make_params(model, variants=["eager", "onnx-int8-dynamic"], conversion={"tolerances": floats})
+    make_params(model, variants=["eager", "onnx"], conversion={"tolerances": floats})   # not needed without int8
+    with pytest.raises(ParamsError, match="conversion.int8.calibration"):
+        make_params(model, conversion={"int8": {"calibration": "kl"}})
+
+
+def test_host_suitability():
+    from pipeline.variants import get_converter
+    vnni = {"device": "cpu", "cpu": {"isa": {"avx2": True, "avx512_vnni": True, "amx_int8": False}}}
+    avx2 = {"device": "cpu", "cpu": {"isa": {"avx2": True, "avx512_vnni": False, "avx_vnni": False}}}
+    old = {"device": "cpu", "cpu": {"isa": {"avx": True, "avx2": False, "sse4_2": True}}}
+    gpu = {"device": "cuda", "cpu": {"isa": {"avx2": True}}}
+    for v in INT8:
+        c = get_converter(v)
+        assert c.host_unsuitable(vnni) is None and c.host_unsuitable(avx2) is None
+        assert "no integer dot-product" in c.host_unsuitable(old)
+        assert "TensorRT" in c.host_unsuitable(gpu)
+    assert get_converter("onnx").host_unsuitable(old) is None           # the default: every host
+
+
+# --------------------------------------------------------------------------- converters on a tiny MLP
+@pytest.fixture(scope="module")
+def outlier_models(tmp_path_factory):
+    """{outlier: (factory spec, checkpoint)} for a plain MLP and its outlier-channel twin."""
+    import importlib.util
+
+    from safetensors.torch import save_file
+    root = tmp_path_factory.mktemp("int8_models")
+    factory = root / "outlier_mlp.py"
+    factory.write_text(OUTLIER_FACTORY)
+    spec = importlib.util.spec_from_file_location("outlier_mlp", factory)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = {}
+    for outlier in (0.0, 1000.0):
+        ckpt = root / f"mlp_{int(outlier)}.safetensors"
+        save_file({k: v.contiguous() for k, v in module.build(outlier).state_dict().items()}, str(ckpt))
+        out[outlier] = (f"{factory}:build", ckpt)
+    return out
+
+
+def _convert(variant, outlier, outlier_models, make_params, tmp_path, **int8):
+    from pipeline.checkpoint import load_model
+    from pipeline.golden import write_golden
+    from pipeline.variants import get_converter
+    from pipeline.variants.build import build_variant
+    from pipeline.verify import tolerance_for
+    factory, ckpt = outlier_models[outlier]
+    params = make_params({"name": "mlp", "source": "state_dict", "checkpoint": str(ckpt), "factory": factory,
+                          "factory_kwargs": {"outlier": outlier}, "task": "tensor", "input_shape": [4, 16]},
+                         variants=["eager", variant], conversion={"int8": {"calibration_samples": 32, **int8}})
+    loaded = load_model(params)
+    golden = write_golden(params, loaded, tmp_path / "golden")
+    converter = get_converter(variant).from_params(params)
+    out = tmp_path / variant
+    record = build_variant(converter, loaded, golden, out, "cpu", tolerance_for(params, "int8"),
+                           params.conversion.min_topk_agreement)
+    return record, out, golden
+
+
+@pytest.mark.parametrize("variant", INT8)
+def test_a_plain_model_passes_its_int8_gate_whole(variant, outlier_models, make_params, tmp_path):
+    from handlers.runtime import load_runtime
+    record, out, golden = _convert(variant, 0.0, outlier_models, make_params, tmp_path)
+    assert record["status"] == "converted", record["reason"]
+    assert record["dtype"] == "int8" and record["tolerance"]["gate"] == "task"
+    q = record["quantization"]
+    assert q["fp32_ops"] == [] and q["whole_model"]["passed"] and q["quantizable_ops"] == 3
+    meta = json.loads((out / "variant.json").read_text())
+    assert meta["dtype"] == "int8" and meta["quantization"]["fp32_ops"] == []
+    rt = load_runtime(out)
+    got = rt.run(golden.batches[-1].feeds)[0]
+    rt.close()
+    ref = golden.batches[-1].outputs[0]
+    assert 1e-5 < np.abs(got - ref).max() <= 0.05 + 0.1 * np.abs(ref).max()     # really quantized, within the gate
+
+
+@pytest.mark.parametrize("variant", INT8)
+def test_an_outlier_channel_is_rejected_with_its_figure(variant, outlier_models, make_params, tmp_path):
+    record, out, _ = _convert(variant, 1000.0, outlier_models, make_params, tmp_path, sensitivity_budget_s=0)
+    assert record["status"] == "rejected", record["reason"]
+    assert "|diff|" in record["reason"] and "> atol 0.05" in record["reason"]       # the worst element, named
+    worst = record["verification"]["worst"]
+    assert worst["abs_diff"] > worst["allowed"]
+    assert not record["quantization"]["whole_model"]["passed"]
+    assert sorted(p.name for p in out.iterdir()) == ["conversion.json"]            # nothing loadable left
+
+
+@pytest.mark.parametrize("variant", INT8)
+def test_sensitivity_fallback_keeps_the_outlier_consumer_fp32(variant, outlier_models, make_params, tmp_path):
+    record, out, _ = _convert(variant, 1000.0, outlier_models, make_params, tmp_path, max_fp32_share=0.7)
+    assert record["status"] == "converted", record["reason"]
+    q = record["quantization"]
+    assert not q["whole_model"]["passed"] and q["stopped_by"] == "gate passed"
+    # The layer fed by the outlier channel (Sequential index 2) stays fp32, the last layer is int8.
+    # Static QDQ also quantizes the first layer's OUTPUT, which carries the outlier: it stays fp32 too.
+    expected = [q["ops"][1], q["ops"][0]] if variant == "onnx-int8-static" else [q["ops"][1]]
+    assert q["fp32_ops"] == expected, q
+    assert [s["op"] for s in q["sensitivity"]["most_sensitive"][:len(expected)]] == expected
+    assert json.loads((out / "variant.json").read_text())["quantization"]["fp32_ops"] == q["fp32_ops"]
+
+
+# --------------------------------------------------------------------------- served in TorchServe
+@pytest.mark.torchserve
+@needs_java
+def test_int8_mar_served_with_parity_within_the_int8_gate(tmp_path, text_params):
+    """The torch `int8` variant of the tiny text model, archived by pipeline/archive.py (torch
+    handler), started in a real TorchServe; its HTTP answers are judged by the int8 gate the .mar's
+    provenance carries (an element-wise float32 gate would fail them)."""
+    from pipeline.archive import build_archive
+    from pipeline.checkpoint import load_model
+    from pipeline.golden import write_golden
+    from pipeline.properties import write_config_properties
+    from pipeline.serve_check import ServerSpec, check_server, load_http_cases, tolerance_from_mar
+    from pipeline.variants import get_converter
+    from pipeline.variants.build import build_variant
+    from tests.test_archive import build_stage_inputs
+    from tests.test_torchserve import DERIVED
+
+    art = tmp_path / "artifacts"
+    inputs = build_stage_inputs(art, text_params)
+    loaded = load_model(text_params)
+    golden = write_golden(text_params, loaded, art / "golden")
+    record = build_variant(get_converter("int8").from_params(text_params), loaded, golden,
+                           inputs["variants_dir"] / "int8", "cpu", text_params.conversion.tolerances["int8"],
+                           text_params.conversion.min_topk_agreement)
+    assert record["status"] == "converted", record["reason"]
+    inputs["selection_path"].write_text(json.dumps({"winner": "int8", "objective": "throughput", "slo_met": True,
+                                                    "message": "test", "variants": {}}))
+    store = art / "model_store"
+    mar = build_archive(text_params, export_dir=store, **inputs).path
+    gate = tolerance_from_mar(mar)
+    assert gate["gate"] == "task" and gate["min_recall_at_k"] == 0.95
+    derived = {**DERIVED, "max_batch_delay_ms": 5, "startup_timeout_s": 60, "response_timeout_s": 30,
+               "job_queue_size": 1000, "max_request_size": 200000, "max_request_bytes": 200000}
+    config = inputs["serve_dir"] / "config.properties"
+    write_config_properties(config, derived, model_name=text_params.model.name, model_store=store)
+    cases = load_http_cases(art / "golden" / "http_cases.json")
+    out = check_server(ServerSpec(text_params.model.name, store, config), cases, task="text-embedding",
+                       atol=gate["atol"], rtol=gate["rtol"], gate=gate, requests=16, concurrency=4, time_cap_s=60)
+    assert out["ready"], out.get("error")
+    parity = out["parity"]
+    assert parity["ok"], parity["failures"]
+    figures = parity["task_gate"]
+    assert figures["samples"] == len(cases) and figures["min_cosine"] >= gate["min_cosine"]
+    assert figures["recall_at_k"] >= gate["min_recall_at_k"] and figures["min_cosine"] < 1.0 - 1e-7  # really int8
+    assert out["bad_inputs"]["ok"], out["bad_inputs"]
+    assert out["load"]["requests_ok"] == 16
