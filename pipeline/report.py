@@ -208,6 +208,8 @@ def summary_metrics(inputs: ReportInputs) -> dict:
     out.update(served_verdict(inputs))
     if inputs.stages:
         out["pipeline_wall_s"] = round(sum(r.get("wall_s") or 0.0 for r in inputs.stages), 1)
+    if sc and isinstance(out.get("serve_check"), dict):
+        out["serve_check"]["ratio_ready_floor"] = (sc.get("ready_vs_floor") or {}).get("ratio")
     return out
 
 
@@ -635,6 +637,10 @@ def startup_blocks(inputs: ReportInputs) -> list[Block]:
                          f"(+{_fmt(si.get('disk_read_s'))} s, included above)"])
     if sc.get("ready_s") is not None and isinstance(st, dict):
         rows.append(["READY in TorchServe vs startupTimeout", f"{_fmt(sc['ready_s'])} s of {_fmt(st.get('value'))} s"])
+    vf = sc.get("ready_vs_floor") or {}
+    if vf.get("ratio") is not None:
+        rows.append(["READY vs server floor + raw read", f"{_fmt(vf['ratio'])}× ({_fmt(vf['ready_s'])} s against a "
+                     f"do-nothing model's {_fmt(vf['floor_ready_s'])} s + {_fmt(vf['raw_read_s'])} s raw read)"])
     diag = sc.get("startup_diagnosis") or {}
     if diag.get("message"):
         rows.append(["startupTimeout MISSED", diag["message"]])

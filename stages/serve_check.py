@@ -17,6 +17,7 @@ import sys
 from pipeline.params import ParamsError, as_dict, load_params
 from pipeline.paths import BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR
 from pipeline.serve_check import ServerSpec, load_http_cases, serve_check, tolerance_from_mar
+from pipeline.server_floor import measure_server_floor, readiness_vs_floor
 from pipeline.startup_check import startup_evidence
 from pipeline.store_form import FORMS, form_of, store_entry
 
@@ -73,6 +74,11 @@ def main(argv=None) -> int:
                          store_form=form, startup=startup_evidence(derivation))
     if record["ok"]:
         record["references"] = references(params, forms[form], baseline, record, cases)
+    if record["ready"]:
+        # The server's own floor in this run: READY is judged against floor + raw read of the artifact.
+        record["server_floor"] = measure_server_floor()
+        raw_read_ms = (((derivation or {}).get("startup_timeout_s") or {}).get("inputs") or {}).get("raw_read_ms")
+        record["ready_vs_floor"] = readiness_vs_floor(record["ready_s"], record["server_floor"], raw_read_ms)
     SERVE_CHECK_JSON.parent.mkdir(parents=True, exist_ok=True)
     SERVE_CHECK_JSON.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     r = record["ratios"]

@@ -119,4 +119,5 @@ def _metrics(record: dict) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.stage_record import run_timed   # metrics/stages/tune.json: wall time + peak memory
+    sys.exit(run_timed("tune", main))

@@ -148,7 +148,7 @@ def test_folder_store_chosen_above_threshold_served_and_measured_against_the_mar
     (art / "benchmark").mkdir()
     (art / "benchmark" / "torchscript.json").write_text(json.dumps(bench(
         {1: (2.0, 500.0), 4: (4.0, 1000.0)}, variant="torchscript", cold=(1500.0, 2000.0),
-        artifact_bytes=artifact.stat().st_size, raw_read_ms=0.2)))
+        artifact_bytes=artifact.stat().st_size, raw_read_ms=20.0)))
     (art / "env.json").write_text(json.dumps({"device": "cpu", "memory_mb": 16000,
                                               "cpu": {"physical_cores": 2, "logical_cores": 2}}))
     params = tmp_path / "params.yaml"
@@ -186,6 +186,11 @@ def test_folder_store_chosen_above_threshold_served_and_measured_against_the_mar
     assert forms["folder"]["ready_s"] == rec["ready_s"] and forms["mar"]["ready_s"] > 0
     assert forms["mar"]["models"] == "signalnet=signalnet.mar"
     assert rec["worker_peak_rss_mb"] > 0
+    # READY judged against this run's server floor (a do-nothing model) + the artifact's raw read.
+    floor, vs = rec["server_floor"], rec["ready_vs_floor"]
+    assert floor["ready"] and floor["ready_s"] > 0
+    assert vs["raw_read_s"] == pytest.approx(0.02) and vs["ratio"] == pytest.approx(
+        rec["ready_s"] / (floor["ready_s"] + 0.02), rel=1e-2)
 
     layout = build_layout("signalnet", mar, yaml.safe_load((serve / "model-config.yaml").read_text()),
                           derivation, tmp_path / "kserve")
