@@ -143,7 +143,7 @@ def task_gate_figures(results: list, output_names: list[str], tol: Tolerance, ki
         for key in ("worst_cosine_sample", "worst_recall_sample", "worst_overlap_sample"):
             if f.get(key) is not None:
                 batch, row = where[f[key]]
-                f[key] = {"sample": f[key], "golden_batch": batch, "batch_size": results[batch][0], "row": row}
+                f[key] = {"sample": f[key], "batch": batch, "batch_size": results[batch][0], "row": row}
         figures[name] = f
     return figures
 
