@@ -116,10 +116,14 @@ def _family_module(family: str):
     return importlib.import_module(name)
 
 
-def read_artifact(model_dir: Path, variant: dict) -> bytes:
-    path = model_dir / variant["artifact"]
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
+def artifact_path(model_dir: Path, variant: dict) -> Path:
+    """The artifact's path inside `model_dir`; a missing file is a RuntimeLoadError naming the fix."""
+    path = Path(model_dir) / variant["artifact"]
+    if not path.is_file():
         raise RuntimeLoadError(f"{path} not found: variant.json names `{variant['artifact']}` but the "
-                               f"folder lacks it; rebuild the variant") from None
+                               f"folder lacks it; rebuild the variant")
+    return path
+
+
+def read_artifact(model_dir: Path, variant: dict) -> bytes:
+    return artifact_path(model_dir, variant).read_bytes()

@@ -22,9 +22,9 @@ import numpy as np
 import onnxruntime as ort
 
 try:
-    from .runtime import Runtime, RuntimeLoadError, read_artifact
+    from .runtime import Runtime, RuntimeLoadError, artifact_path, read_artifact
 except ImportError:  # imported as a top-level module (folder on sys.path)
-    from runtime import Runtime, RuntimeLoadError, read_artifact
+    from runtime import Runtime, RuntimeLoadError, artifact_path, read_artifact
 
 CPU_EP = "CPUExecutionProvider"
 CUDA_EP = "CUDAExecutionProvider"
@@ -103,11 +103,7 @@ def external_model_path(model_dir: Path, variant: dict, external: list[str]) -> 
     if missing:
         raise RuntimeLoadError(f"{model_dir}: external data file(s) {missing} of {variant['artifact']} are missing; "
                                f"copy the whole variant folder (variant.json lists every file) or rebuild it")
-    path = model_dir / variant["artifact"]
-    if not path.is_file():
-        raise RuntimeLoadError(f"{path} not found: variant.json names `{variant['artifact']}` but the "
-                               f"folder lacks it; rebuild the variant")
-    return str(path)
+    return str(artifact_path(model_dir, variant))
 
 
 def load(variant: dict, model_dir: Path, device: str, threads: Optional[int], tensorrt: bool = False) -> Runtime:

@@ -107,6 +107,9 @@ class ConversionParams:
     min_topk_agreement: float = 0.99           # classification: share of samples whose top-1 matches
     golden_seed: int = 0
     golden_batches: int = 3                    # distinct batches per verified batch size
+    screen: bool = True                        # screen each variant's batch-1 call against eager's (pipeline/plan.py)
+    screen_max_slowdown: float = 4.0           # ...and skip it when that call is more than this many times slower
+    big_model_mb: float = 500.0                # from this model size on, verify one golden batch per batch size
     int8: Int8Params = field(default_factory=Int8Params)
 
 
@@ -367,6 +370,13 @@ def _check_semantics(p: Params) -> None:
             ("text_length", b.text_length, b.text_length >= 1, "a positive number of tokens")):
         if not ok:
             raise _bad(f"benchmark.{key}", value, allowed)
+    c = p.conversion
+    for key, value, ok, allowed in (
+            ("screen_max_slowdown", c.screen_max_slowdown, c.screen_max_slowdown > 1,
+             "a ratio > 1, e.g. 4 (skip a variant whose batch-1 call is 4x eager's)"),
+            ("big_model_mb", c.big_model_mb, c.big_model_mb >= 0, "MB >= 0 (0: every model verifies one batch per size)")):
+        if not ok:
+            raise _bad(f"conversion.{key}", value, allowed)
     for dtype in ("float32", "float16", "bfloat16"):
         if dtype not in p.conversion.tolerances:
             raise _bad("conversion.tolerances", sorted(p.conversion.tolerances), "float32, float16 and bfloat16 all present")

@@ -56,7 +56,7 @@ class Criteria:
 @dataclass
 class Candidate:
     variant: str
-    status: str                         # winner | eligible | rejected | failed
+    status: str                         # winner | eligible | rejected | skipped | failed
     reasons: list = field(default_factory=list)
     figures: dict = field(default_factory=dict)
     accurate: bool = False              # converted, verification passed, benchmarked
@@ -123,6 +123,10 @@ def evaluate(variant: str, conversion: Optional[dict], benchmark: Optional[dict]
     c.figures["dtype"] = conversion.get("dtype")
     if ver.get("task_gate"):          # int8: the gate's figures (recall@k, top-1 agreement...) travel with it
         c.figures["task_gate"] = ver["task_gate"]
+    if cstatus == "skipped":          # the plan's screen: measured too slow on this device, never verified
+        c.status = "skipped"
+        c.reasons.append(f"skipped before verification: {conversion.get('reason') or 'no reason recorded'}")
+        return c
     if cstatus == "rejected":
         c.status = "rejected"
         c.reasons.append(f"verification failed: {conversion.get('reason') or 'outside tolerance'}")

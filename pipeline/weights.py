@@ -318,3 +318,13 @@ def judge_missing(report: KeyReport, task_module: nn.Module, example_args: tuple
     if report.unexpected:
         log.info("ignoring %d checkpoint key(s) the model does not have: %s", len(report.unexpected),
                  listing(report.unexpected, 5))
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (shared tensors counted once): the model's size."""
+    seen, total = set(), 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total

@@ -1,8 +1,9 @@
 """Stage convert@<variant>: `python -m stages.convert <variant> [--out DIR] [--golden DIR]`.
 
 Builds artifacts/variants/<variant>/ (artifact, variant.json, extra files, conversion.json) in its
-own process with `conversion.timeout_s`. Exit 0 for every recorded outcome (converted, rejected,
-failed) except when `eager` — the verified reference — is not converted.
+own process with `conversion.timeout_s`. Exit 0 for every recorded outcome (converted, skipped by
+the plan's screen, rejected, failed) except when `eager` — the verified reference — is not converted.
+The log line gives conversion, screen and verification seconds separately.
 """
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     v = record.get("verification") or {}
     figures = ", ".join(f"{o['name']}: max_abs {o['max_abs']:.3g} min_cos {o['min_cosine']:.6f}"
                         for o in v.get("outputs", []))
-    log.info("%s: %s (%s) in %s s, %s bytes; batch sizes %s; %s. Wrote %s",
-             args.variant, record["status"], record["reason"], record.get("conversion_s"),
-             record.get("artifact_bytes"), v.get("batch_sizes"), figures or "no verification", out)
+    log.info("%s: %s (%s); conversion %s s, screen %s s, verification %s s; %s bytes; batch sizes %s; %s. Wrote %s",
+             args.variant, record["status"], record["reason"], record.get("conversion_s"), record.get("screen_s"),
+             record.get("verification_s"), record.get("artifact_bytes"), v.get("batch_sizes"),
+             figures or "no verification", out)
     code = stage_exit_code(args.variant, record["status"])
     if code:
         log.error("the eager reference variant is %s: the pipeline cannot continue without it", record["status"])

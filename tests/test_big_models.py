@@ -5,20 +5,125 @@ screen records a skip with its measured reason. One `slow` test takes a >2 GB mo
 verified external-data ONNX variant."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from handlers.runtime import load_runtime
+from pipeline.checkpoint import CheckpointError, load_model, probe_args
 from pipeline.variants.build import build_variant
 from pipeline.variants.onnx import OnnxConverter
 from pipeline.verify import tolerance_for
+from tests.test_checkpoint import CreatesMarker, mlp_params, mlp_state
 from tests.test_variants import tensor_case
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# A BERT of ~150 MB (2 layers, hidden 768): big enough for real shards, quick to write and load.
+SHAPE = {"layers": 2, "hidden": 768}
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("make_big_text_model", REPO_ROOT / "scripts" / "make_big_text_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def big_text(tmp_path_factory):
+    """make_model(name, **options) -> folder, written once per module by scripts/make_big_text_model.py."""
+    gen, made = _generator(), {}
+
+    def make(name: str, **options) -> Path:
+        if name not in made:
+            made[name] = gen.make_model(tmp_path_factory.mktemp(name), **SHAPE, **options)
+        return made[name]
+    return make
+
+
+def text_params_for(make_params, folder: Path):
+    return make_params({"name": "big", "source": "hf", "checkpoint": str(folder), "task": "text-embedding"})
+
+
+def embed(loaded) -> torch.Tensor:
+    with torch.inference_mode():
+        return loaded.module(*probe_args(loaded))
+
+
+# --------------------------------------------------------------------------- sharded checkpoints
+@pytest.mark.parametrize("options", [{"shards": 3}, {"shards": 2, "fmt": "bin"}], ids=["safetensors-3", "bin-2"])
+def test_sharded_checkpoint_loads_like_the_single_file(make_params, big_text, options):
+    single = load_model(text_params_for(make_params, big_text("single")))
+    folder = big_text(f"sharded-{options['shards']}-{options.get('fmt', 'st')}", **options)
+    index = "model.safetensors.index.json" if options.get("fmt", "safetensors") == "safetensors" else "pytorch_model.bin.index.json"
+    assert (folder / index).is_file() and len([p for p in folder.iterdir() if "-of-" in p.name]) == options["shards"]
+    sharded = load_model(text_params_for(make_params, folder))
+    assert single.task["pooling"] == sharded.task["pooling"] == "cls"     # sentence-transformers 1_Pooling
+    a, b = single.module.state_dict(), sharded.module.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(embed(single), embed(sharded))
+    assert sharded.source_files[1].name == index                        # provenance names the index and shards
+
+
+def test_a_shard_that_needs_code_is_refused(make_params, big_text, tmp_path):
+    folder = tmp_path / "evil"
+    shutil.copytree(big_text("sharded-2-bin", shards=2, fmt="bin"), folder)
+    shard = folder / "pytorch_model-00002-of-00002.bin"
+    torch.save({"x": CreatesMarker(tmp_path / "pwned")}, shard)
+    with pytest.raises(CheckpointError, match="refused to unpickle") as info:
+        load_model(text_params_for(make_params, folder))
+    assert shard.name in str(info.value) and not (tmp_path / "pwned").exists()
+
+
+def test_index_naming_a_missing_shard_is_a_clear_error(make_params, big_text, tmp_path):
+    folder = tmp_path / "incomplete"
+    shutil.copytree(big_text("sharded-3-st", shards=3), folder)
+    (folder / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model-00002-of-00003.safetensors"):
+        load_model(text_params_for(make_params, folder))
+
+
+def test_state_dict_source_takes_a_sharded_index(make_params, factory_file, tmp_path):
+    state = dict(mlp_state())
+    save_file(state, str(tmp_path / "w.safetensors"))
+    names = sorted(state)
+    shards = {"w-00001-of-00002.safetensors": names[:2], "w-00002-of-00002.safetensors": names[2:]}
+    for shard, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(tmp_path / shard))
+    (tmp_path / "w.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+    single = load_model(mlp_params(make_params, factory_file, tmp_path / "w.safetensors"))
+    sharded = load_model(mlp_params(make_params, factory_file, tmp_path / "w.safetensors.index.json"))
+    x = torch.randn(4, 8)
+    with torch.inference_mode():
+        assert torch.equal(single.module(x), sharded.module(x))
+
+
+# --------------------------------------------------------------------------- keys judged by the task
+def test_unused_missing_weights_are_logged_used_ones_refused(make_params, big_text, tmp_path, caplog):
+    with_pooler = load_model(text_params_for(make_params, big_text("single")))
+    folder = big_text("no-pooler", pooler=False)
+    with caplog.at_level(logging.INFO, logger="pipeline.weights"):
+        without = load_model(text_params_for(make_params, folder))
+    assert "never uses" in caplog.text and "pooler.dense.weight" in caplog.text
+    assert torch.equal(embed(with_pooler), embed(without))      # CLS pooling never reads the pooler
+
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    state = load_file(str(broken / "model.safetensors"))
+    del state["encoder.layer.1.output.dense.weight"]
+    save_file(state, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing keys \(1\): encoder\.layer\.1\.output\.dense\.weight") as info:
+        load_model(text_params_for(make_params, broken))
+    assert "feed the task's outputs" in str(info.value) and "pooler" not in str(info.value)
 
 
 def wide_mlp(features: int, hidden: int, layers: int) -> nn.Module:
@@ -72,3 +177,86 @@ def test_small_models_stay_one_file(tensor_params, tmp_path):
     assert record["status"] == "converted", record["reason"]
     variant = json.loads((out / "variant.json").read_text())
     assert variant["external_data"] == [] and not (out / "model.onnx.data").exists()
+
+
+# --------------------------------------------------------------------------- the plan's screen
+def test_emulated_half_precision_is_named_from_the_isa_flags():
+    from pipeline.plan import emulated_dtype_note
+    from pipeline.variants.base import get_converter
+    avx512_bf16 = {"device": "cpu", "cpu": {"arch": "x86_64", "isa": {"avx512f": True, "avx512_bf16": True,
+                                                                        "avx512_fp16": False, "amx_bf16": False}}}
+    assert "AVX512_FP16/AMX-FP16" in get_converter("fp16").host_unsuitable(avx512_bf16)
+    assert "AVX512_FP16/AMX-FP16" in get_converter("onnx-fp16").host_unsuitable(avx512_bf16)
+    assert get_converter("bf16").host_unsuitable(avx512_bf16) is None
+    avx2 = {"device": "cpu", "cpu": {"arch": "x86_64", "isa": {"avx2": True}}}
+    assert "AVX512_BF16/AMX-BF16" in emulated_dtype_note("bfloat16", avx2)
+    assert emulated_dtype_note("float32", avx2) is None
+    assert emulated_dtype_note("float16", {"device": "cuda"}) is None         # GPUs compute fp16 natively
+
+
+def test_plan_skip_is_recorded_with_its_measured_reason(tensor_params, tmp_path):
+    """A variant whose batch-1 call is far slower than the reference's is skipped before verification.
+    The reference here is the eager call of a 1000x smaller model: a real, deterministic stand-in for
+    a variant that cannot compete (a real emulated-fp16 slowdown depends on the host's ISA)."""
+    from pipeline.measure.runner import conversion_status
+    from pipeline.plan import Screen
+    from pipeline.selection import Criteria, evaluate
+    from pipeline.variants.base import get_converter
+
+    big = wide_mlp(2048, 4096, 4)                            # ~200 MB: tens of ms per batch-1 call
+    loaded, golden = tensor_case(big, 2048, batch_sizes=(1, 3))
+    tiny = wide_mlp(2048, 2, 2).eval()
+    x = torch.from_numpy(golden.batches[0].feeds["input"])
+
+    def tiny_eager_call() -> float:
+        import time
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            tiny(x)
+            return time.perf_counter() - t0
+
+    screen = Screen(variant="torchscript", dtype="float32", note="a test host", max_slowdown=4.0,
+                    eager_call=tiny_eager_call, feeds=golden.batches[0].feeds)
+    converter = get_converter("torchscript").from_params(tensor_params)
+    out = tmp_path / "torchscript"
+    record = build_variant(converter, loaded, golden, out, "cpu", tolerance_for(tensor_params, "float32"),
+                           tensor_params.conversion.min_topk_agreement, screen=screen)
+    assert record["status"] == "skipped", record["reason"]
+    assert record["reason"].startswith("torchscript batch-1 call") and "vs eager" in record["reason"]
+    assert "limit 4×" in record["reason"] and "on a test host" in record["reason"]
+    s = record["screen"]
+    assert s["decision"] == "skip" and s["slowdown"] > 4 and s["variant_call_s"] > s["eager_call_s"]
+    assert record["verification"] is None and record["verification_s"] is None      # never verified
+    assert record["conversion_s"] > 0 and record["screen_s"] > 0
+    assert sorted(p.name for p in out.iterdir()) == ["conversion.json"]             # nothing loadable stays
+    assert len(record["attempts"]) == 1                      # a skip ends the variant: no second method
+
+    # Downstream: benchmark skips it, selection reports it as skipped with the screen's reason.
+    assert conversion_status(out) == ("skipped", record["reason"])
+    cand = evaluate("torchscript", record, None, Criteria())
+    assert cand.status == "skipped" and "skipped before verification" in cand.reasons[0]
+
+
+def test_plan_keeps_a_competitive_variant_and_records_the_times_apart(tensor_params, tmp_path):
+    from pipeline.plan import make_screen
+    from pipeline.variants.base import get_converter
+    loaded, golden = tensor_case(wide_mlp(64, 128, 3), 64, batch_sizes=(1, 2, 2, 4))
+    cls = get_converter("onnx")
+    screen = make_screen(cls, tensor_params, loaded, golden, {}, "cpu")
+    record = build_variant(cls.from_params(tensor_params), loaded, golden, tmp_path / "onnx", "cpu",
+                           tolerance_for(tensor_params, "float32"), tensor_params.conversion.min_topk_agreement,
+                           screen=screen)
+    assert record["status"] == "converted", record["reason"]
+    assert record["screen"]["decision"] == "build" and record["screen"]["eager_call_s"] > 0
+    assert record["verification_s"] > 0 and record["conversion_s"] > 0
+    assert make_screen(get_converter("eager"), tensor_params, loaded, golden, {}, "cpu") is None   # the reference
+
+
+def test_big_models_verify_one_golden_batch_per_size(tensor_params):
+    from pipeline.plan import bounded_golden
+    loaded, golden = tensor_case(wide_mlp(64, 128, 3), 64, batch_sizes=(1, 1, 4, 4, 2))
+    assert bounded_golden(golden, loaded, tensor_params) is golden            # small: the whole set
+    import dataclasses
+    big = dataclasses.replace(tensor_params, conversion=dataclasses.replace(tensor_params.conversion, big_model_mb=0.01))
+    kept = bounded_golden(golden, loaded, big).batches
+    assert [b.batch_size for b in kept] == [1, 4, 2]                          # every size still runs once

@@ -5,7 +5,11 @@ outcome writes `conversion.json` (docs/artifacts.md):
 - converted: the folder holds the artifact, variant.json, the task's extra files;
 - rejected: an artifact was built but missed the golden set (the reason names the worst element);
 - failed: no artifact could be built (the reason is the real exception; the traceback tail is kept).
+- skipped: the plan's screen (pipeline/plan.py) measured the built artifact's batch-1 call too slow
+  against eager's on this device; verification never ran (the reason holds the figures).
 A folder that is not `converted` keeps only conversion.json, so nothing downstream can load it.
+Conversion, screen and verification seconds are recorded separately (`conversion_s`, `screen_s`,
+`verification_s`).
 
 `convert_isolated` runs all of it in its own process (`python -m pipeline.variants.worker`) with a
 time limit: a hung or crashing conversion is killed and recorded as failed, never stops the others.
@@ -23,7 +27,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from pipeline.params import REPO_ROOT, Tolerance
 from pipeline.variants.base import Artifact, BuildContext, Converter
@@ -100,8 +104,10 @@ def failure_record(variant: str, dtype: Optional[str], tol: Optional[Tolerance],
 
 
 def build_variant(converter: Converter, loaded, golden, out_dir: str | Path, device: str, tol: Tolerance,
-                  min_topk_agreement: float, threads: Optional[int] = None) -> dict:
-    """Convert with each method in turn until one verifies; write and return conversion.json."""
+                  min_topk_agreement: float, threads: Optional[int] = None,
+                  screen: Optional[Callable[[Path], dict]] = None) -> dict:
+    """Convert with each method in turn until one verifies; write and return conversion.json.
+    `screen(out_dir)` (pipeline.plan) runs between building and verifying; 'skip' ends the variant."""
     out_dir = Path(out_dir)
     ctx = BuildContext(loaded=loaded, golden=golden, out_dir=out_dir, device=device)
     attempts: list[dict] = []
@@ -129,7 +135,16 @@ def build_variant(converter: Converter, loaded, golden, out_dir: str | Path, dev
             log.warning("%s/%s failed: %s", converter.name, method, attempt["reason"])
             continue
         try:
+            if screen is not None:
+                attempt["screen"] = screen(out_dir)
+                attempt["screen_s"] = attempt["screen"]["seconds"]
+                log.info("%s/%s: screen: %s — %s", converter.name, method, attempt["screen"]["decision"],
+                         attempt["screen"]["reason"])
+                if attempt["screen"]["decision"] == "skip":
+                    attempt.update(status="skipped", reason=attempt["screen"]["reason"])
+                    break
             v: Verification = verify_variant(out_dir, golden, tol, min_topk_agreement, device=device, threads=threads)
+            attempt["verification_s"] = round(v.seconds, 3)
         except Exception as e:   # the runtime cannot even load it
             attempt.update(status="failed", reason="loading the built artifact failed: " + exception_reason(e),
                            traceback=traceback_tail(e))
@@ -145,18 +160,23 @@ def build_variant(converter: Converter, loaded, golden, out_dir: str | Path, dev
     record = base_record(converter.name, converter.dtype, tol)
     if chosen is None:
         clear_dir(out_dir)     # nothing loadable stays behind; conversion.json says why
-        rejected = [a for a in attempts if a["status"] == "rejected"]
-        status = "rejected" if rejected else "failed"
+        skipped = [a for a in attempts if a["status"] == "skipped"]     # a skip ends the attempts
+        rejected = skipped or [a for a in attempts if a["status"] == "rejected"]
+        status = rejected[0]["status"] if rejected else "failed"
         main = rejected[0] if rejected else attempts[0]
-        reason = " | ".join(f"{a['method']}: {a['status']}: {a['reason']}" for a in attempts)
+        reason = (main["reason"] if status == "skipped"        # the screen's measured reason, as it is
+                  else " | ".join(f"{a['method']}: {a['status']}: {a['reason']}" for a in attempts))
         record.update(status=status, reason=reason, conversion_s=main.get("conversion_s"),
                       artifact_bytes=main.get("artifact_bytes"), verification=main.get("verification"))
         if status == "failed":
             record["traceback"] = main.get("traceback")
+        record.update(screen=main.get("screen"), screen_s=main.get("screen_s"),
+                      verification_s=main.get("verification_s"))
     else:
         record.update(status="converted", reason=chosen["reason"], conversion_s=chosen["conversion_s"],
                       artifact_bytes=chosen["artifact_bytes"], verification=chosen["verification"],
-                      format=chosen["format"])
+                      format=chosen["format"], screen=chosen.get("screen"), screen_s=chosen.get("screen_s"),
+                      verification_s=chosen.get("verification_s"))
     if (chosen or main).get("quantization") is not None:
         record["quantization"] = (chosen or main)["quantization"]
     record.update(method=(chosen or {}).get("method"), device=device, options=converter.options_dict(),

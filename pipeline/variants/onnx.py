@@ -21,12 +21,15 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from handlers.runtime_onnx import check_providers_active, choose_providers
 from pipeline.params import Params
+from pipeline.plan import emulated_dtype_note
 from pipeline.variants.base import Artifact, BuildContext, Converter, register
+from pipeline.weights import module_bytes
 
 log = logging.getLogger(__name__)
 ARTIFACT = "model.onnx"
@@ -50,6 +53,10 @@ class OnnxConverter(Converter):
         external_data_min_bytes: int = 1 << 30   # fp32 weights from this size on: tensors in model.onnx.data
 
     @classmethod
+    def host_unsuitable(cls, env: dict) -> Optional[str]:
+        return emulated_dtype_note(cls.dtype, env)     # onnx-fp16 on a CPU without native fp16
+
+    @classmethod
     def from_params(cls, params: Params) -> "OnnxConverter":
         return cls(cls.Options(opset=params.conversion.onnx_opset))
 
@@ -61,7 +68,7 @@ class OnnxConverter(Converter):
 
     # ------------------------------------------------------------------ steps
     def _build(self, ctx: BuildContext, dynamo: bool) -> Artifact:
-        external = weight_bytes(ctx.loaded.module) >= self.options.external_data_min_bytes
+        external = module_bytes(ctx.loaded.module) >= self.options.external_data_min_bytes
         raw_dir = ctx.out_dir / "raw"          # the exporters may scatter per-tensor files: all go with it
         raw_dir.mkdir(exist_ok=True)
         raw = raw_dir / "raw.onnx"
@@ -165,12 +172,3 @@ def _save(model, path: Path, external: bool) -> None:
     onnx.save(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
               location=data_file(path).name)
 
-
-def weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the module's parameters and buffers (shared tensors counted once)."""
-    seen, total = set(), 0
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total

@@ -9,9 +9,11 @@ floating inputs in the variant's dtype; the runtime casts float32 in and out.
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import torch
 
+from pipeline.plan import emulated_dtype_note
 from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, register
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -24,6 +26,10 @@ class TorchScriptConverter(Converter):
     dtype = "float32"
     methods = ("trace-freeze", "trace")
     artifact = "model.pt"
+
+    @classmethod
+    def host_unsuitable(cls, env: dict) -> Optional[str]:
+        return emulated_dtype_note(cls.dtype, env)     # fp16 / bf16 without native instructions
 
     def _trace(self, ctx: BuildContext):
         dtype = TORCH_DTYPES[self.dtype]

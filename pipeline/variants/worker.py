@@ -35,13 +35,17 @@ def run(variant: str, out_dir: Path, golden_dir: Path) -> dict:
         from pipeline.golden import read_golden
         from pipeline.measure.device import resolve_device
         device = resolve_device(params.benchmark.device)
+        from pipeline.paths import ENV_JSON
+        from pipeline.plan import bounded_golden, make_screen, read_env
         golden = read_golden(golden_dir)
         t0 = time.perf_counter()
         loaded = load_model(params)
         log.info("%s: loaded %s in %.1f s; building for %s", variant, params.model.checkpoint,
                  time.perf_counter() - t0, device)
+        golden = bounded_golden(golden, loaded, params)
+        screen = make_screen(converter_cls, params, loaded, golden, read_env(ENV_JSON), device)
         return build_variant(converter, loaded, golden, out_dir, device, tol,
-                             params.conversion.min_topk_agreement)
+                             params.conversion.min_topk_agreement, screen=screen)
     except Exception as e:
         clear_dir(out_dir)
         record = failure_record(variant, dtype, tol, exception_reason(e), traceback_tail(e))

@@ -1,0 +1,171 @@
+"""The device-aware plan: a cheap screen that keeps variants which cannot compete on the target
+device from spending minutes in verification and benchmarking.
+
+Two inputs, both recorded:
+- the ISA flags of artifacts/env.json, through `Converter.host_unsuitable(env)`: e.g. fp16 on a CPU
+  without AVX512-FP16/AMX-FP16 is emulated (converted to fp32 per op), bf16 likewise without
+  AVX512-BF16/AMX-BF16. A flag only says why a variant may be slow; it never decides alone.
+- a measured batch-1 call: once the artifact is built (seconds) and before verification, the
+  golden batch-1 input runs through the variant's own runtime (the one serving uses) and the fp32
+  eager module in the same process. Up to `CALLS` calls; the fastest counts (the first calls of a
+  TorchScript module include its profiling runs). A variant whose fastest call is more than
+  `conversion.screen_max_slowdown` times eager's (and slower by more than `MIN_LOSS_S`, so a tiny
+  model's noise decides nothing) is `skipped`: conversion.json keeps the measured reason, the folder
+  keeps nothing loadable, benchmark/select/report treat it like a rejected variant.
+
+`conversion.screen: false` builds and verifies every variant whatever the screen would say.
+The reference (`eager`) is never screened. On a GPU nothing is measured against the CPU-side eager
+module: a variant whose `host_unsuitable` names a reason there is skipped with that reason.
+
+Verification cost is bounded too (`bounded_golden`): a model of at least `conversion.big_model_mb`
+verifies one golden batch per batch size instead of all of them — every batch size still runs once,
+which is what catches a batch size baked in by tracing.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+CALLS = 3                 # variant calls at most (stops early once one is within the limit)
+EAGER_CALLS = 3           # timed eager calls after one warm-up; the median counts
+MIN_LOSS_S = 0.010        # a variant at most this much slower per call than eager is never skipped
+REFERENCE = "eager"
+
+# dtype -> (ISA flags of env.json cpu.isa any of which computes it natively, how the note names them)
+NATIVE_HALF = {"float16": (("avx512_fp16", "amx_fp16"), "AVX512_FP16/AMX-FP16"),
+               "bfloat16": (("avx512_bf16", "amx_bf16"), "AVX512_BF16/AMX-BF16")}
+SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+def emulated_dtype_note(dtype: str, env: dict) -> Optional[str]:
+    """Why `dtype` runs emulated on the CPU `env` describes (x86 only: the flags say it), or None."""
+    if dtype not in NATIVE_HALF or (env.get("device") or "cpu") != "cpu":
+        return None
+    cpu = env.get("cpu") or {}
+    if cpu.get("arch") not in ("x86_64", "AMD64"):
+        return None
+    flags, names = NATIVE_HALF[dtype]
+    isa = cpu.get("isa") or {}
+    if any(isa.get(f) for f in flags):
+        return None
+    return f"a CPU without {names} ({SHORT[dtype]} is emulated there)"
+
+
+def read_env(path: Path) -> dict:
+    """artifacts/env.json, or {} when the probe has not run (the screen then measures without flags)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+@dataclass(frozen=True)
+class Screen:
+    """A screen bound to one variant: call it with the built variant folder."""
+    variant: str
+    dtype: str
+    note: Optional[str]                       # host_unsuitable's reason, if any
+    max_slowdown: float
+    eager_call: Optional[Callable[[], float]]   # one fp32 eager batch-1 call -> seconds; None: not measured
+    feeds: dict
+    device: str = "cpu"
+    threads: Optional[int] = None
+
+    def __call__(self, model_dir: Path) -> dict:
+        """{'decision': 'build' | 'skip', 'reason', figures...}; never raises for a slow variant."""
+        from handlers.runtime import load_runtime
+        if self.eager_call is None:
+            return {"decision": "skip" if self.note else "build", "isa_note": self.note, "seconds": 0.0,
+                    "reason": f"{self.variant}: {self.note}" if self.note else "not measured on this device"}
+        t0 = time.perf_counter()
+        eager_s = self._eager_s()
+        runtime = load_runtime(model_dir, device=self.device, threads=self.threads)
+        calls: list[float] = []
+        try:
+            for _ in range(CALLS):
+                c0 = time.perf_counter()
+                runtime.run(self.feeds)
+                calls.append(time.perf_counter() - c0)
+                if not self._too_slow(min(calls), eager_s):
+                    break
+                if min(calls) > 2 * self.max_slowdown * eager_s and len(calls) >= 2:
+                    break             # clear-cut: a third call of a slow variant costs the most
+        finally:
+            runtime.close()
+        best = min(calls)
+        slowdown = best / eager_s if eager_s > 0 else float("inf")
+        record = {"decision": "skip" if self._too_slow(best, eager_s) else "build",
+                  "eager_call_s": round(eager_s, 5), "variant_call_s": round(best, 5),
+                  "variant_calls_s": [round(c, 5) for c in calls], "slowdown": round(slowdown, 2),
+                  "max_slowdown": self.max_slowdown, "isa_note": self.note,
+                  "seconds": round(time.perf_counter() - t0, 3)}
+        where = f" on {self.note}" if self.note else ""
+        record["reason"] = (f"{self.variant} batch-1 call {_fmt_s(best)} vs eager {_fmt_s(eager_s)} "
+                            f"({slowdown:.1f}×, limit {self.max_slowdown:g}×){where}")
+        return record
+
+    def _too_slow(self, call_s: float, eager_s: float) -> bool:
+        return call_s > self.max_slowdown * eager_s and call_s - eager_s > MIN_LOSS_S
+
+    def _eager_s(self) -> float:
+        self.eager_call()                     # warm-up
+        return statistics.median(self.eager_call() for _ in range(EAGER_CALLS))
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1000:.1f} ms" if seconds >= 0.01 else f"{seconds * 1000:.3f} ms"
+
+
+def make_screen(converter_cls, params, loaded, golden, env: dict, device: str,
+                threads: Optional[int] = None) -> Optional[Screen]:
+    """The screen for one variant, or None when it is not screened (the reference, or
+    `conversion.screen: false`)."""
+    if converter_cls.name == REFERENCE or not params.conversion.screen:
+        return None
+    note = converter_cls.host_unsuitable(env)
+    if device != "cpu":
+        return Screen(variant=converter_cls.name, dtype=converter_cls.dtype, note=note,
+                      max_slowdown=params.conversion.screen_max_slowdown, eager_call=None, feeds={}, device=device)
+    import torch
+    batch1 = min(golden.batches, key=lambda b: b.batch_size)
+    args = loaded.example_inputs(batch1.feeds)
+    module = loaded.module
+
+    def eager_call() -> float:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            module(*args)
+            return time.perf_counter() - t0
+
+    return Screen(variant=converter_cls.name, dtype=converter_cls.dtype, note=note,
+                  max_slowdown=params.conversion.screen_max_slowdown, eager_call=eager_call,
+                  feeds=batch1.feeds, device=device, threads=threads)
+
+
+def bounded_golden(golden, loaded, params):
+    """The golden set verification runs: all of it, or for a model of at least
+    `conversion.big_model_mb` the first batch of each batch size (every size still runs once)."""
+    import dataclasses
+
+    from pipeline.weights import module_bytes
+    size_mb = module_bytes(loaded.module) / 2**20
+    if size_mb < params.conversion.big_model_mb:
+        return golden
+    kept, seen = [], set()
+    for b in golden.batches:
+        if b.batch_size not in seen:
+            seen.add(b.batch_size)
+            kept.append(b)
+    log.info("model of %.0f MB >= conversion.big_model_mb %s: verifying %d golden batches (one per batch "
+             "size %s) instead of %d", size_mb, params.conversion.big_model_mb, len(kept), sorted(seen),
+             len(golden.batches))
+    return dataclasses.replace(golden, batches=kept)
