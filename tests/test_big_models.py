@@ -260,3 +260,21 @@ def test_big_models_verify_one_golden_batch_per_size(tensor_params):
     big = dataclasses.replace(tensor_params, conversion=dataclasses.replace(tensor_params.conversion, big_model_mb=0.01))
     kept = bounded_golden(golden, loaded, big).batches
     assert [b.batch_size for b in kept] == [1, 4, 2]                          # every size still runs once
+
+
+@pytest.mark.slow
+def test_model_over_2gb_gets_a_verified_external_data_onnx_variant(tensor_params, tmp_path):
+    """Protobuf cannot hold 2 GiB: with the default threshold such a model's ONNX variant keeps its
+    tensors in model.onnx.data, verifies at every batch size and loads from its folder."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16384, 16384), nn.Tanh(), nn.Linear(16384, 16384))   # 2 GiB + biases
+    record, out, golden = build_external_onnx(tensor_params, tmp_path, module, 16384,
+                                              min_bytes=OnnxConverter.Options().external_data_min_bytes)
+    del module
+    assert record["status"] == "converted", record["reason"]
+    assert record["verification"]["batch_sizes"] == [1, 3]
+    assert (out / "model.onnx.data").stat().st_size > 2**31 and (out / "model.onnx").stat().st_size < 2**20
+    runtime = load_runtime(out, threads=2)
+    np.testing.assert_allclose(runtime.run(golden.batches[0].feeds)[0], golden.batches[0].outputs[0],
+                               atol=1e-4, rtol=1e-3)
+    runtime.close()
