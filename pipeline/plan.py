@@ -7,8 +7,9 @@ Two inputs, both recorded:
   AVX512-BF16/AMX-BF16. A flag only says why a variant may be slow; it never decides alone.
 - a measured batch-1 call: once the artifact is built (seconds) and before verification, the
   golden batch-1 input runs through the variant's own runtime (the one serving uses) and the fp32
-  eager module in the same process. Up to `CALLS` calls; the fastest counts (the first calls of a
-  TorchScript module include its profiling runs). A variant whose fastest call is more than
+  eager module in the same process, alternately. Up to `CALLS` calls each; the fastest of each side
+  counts (the first calls of a TorchScript module include its profiling runs; a busy spell on a
+  shared host slows both sides alike). A variant whose fastest call is more than
   `conversion.screen_max_slowdown` times eager's (and slower by more than `MIN_LOSS_S`, so a tiny
   model's noise decides nothing) is `skipped`: conversion.json keeps the measured reason, the folder
   keeps nothing loadable, benchmark/select/report treat it like a rejected variant.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,6 @@ from typing import Callable, Optional
 log = logging.getLogger(__name__)
 
 CALLS = 3                 # variant calls at most (stops early once one is within the limit)
-EAGER_CALLS = 3           # timed eager calls after one warm-up; the median counts
 MIN_LOSS_S = 0.010        # a variant at most this much slower per call than eager is never skipped
 REFERENCE = "eager"
 
@@ -85,25 +84,31 @@ class Screen:
             return {"decision": "skip" if self.note else "build", "isa_note": self.note, "seconds": 0.0,
                     "reason": f"{self.variant}: {self.note}" if self.note else "not measured on this device"}
         t0 = time.perf_counter()
-        eager_s = self._eager_s()
         runtime = load_runtime(model_dir, device=self.device, threads=self.threads)
+        eager_calls: list[float] = []
         calls: list[float] = []
         try:
+            self.eager_call()                 # warm-up of the reference
+            # Eager and variant calls alternate and the fastest of each counts: a busy spell on a
+            # shared host slows both sides alike instead of deciding the comparison.
             for _ in range(CALLS):
+                eager_calls.append(self.eager_call())
                 c0 = time.perf_counter()
                 runtime.run(self.feeds)
                 calls.append(time.perf_counter() - c0)
-                if not self._too_slow(min(calls), eager_s):
+                if not self._too_slow(min(calls), min(eager_calls)):
                     break
-                if min(calls) > 2 * self.max_slowdown * eager_s and len(calls) >= 2:
+                if min(calls) > 2 * self.max_slowdown * min(eager_calls) and len(calls) >= 2:
                     break             # clear-cut: a third call of a slow variant costs the most
         finally:
             runtime.close()
+        eager_s = min(eager_calls)
         best = min(calls)
         slowdown = best / eager_s if eager_s > 0 else float("inf")
         record = {"decision": "skip" if self._too_slow(best, eager_s) else "build",
                   "eager_call_s": round(eager_s, 5), "variant_call_s": round(best, 5),
-                  "variant_calls_s": [round(c, 5) for c in calls], "slowdown": round(slowdown, 2),
+                  "variant_calls_s": [round(c, 5) for c in calls],
+                  "eager_calls_s": [round(c, 5) for c in eager_calls], "slowdown": round(slowdown, 2),
                   "max_slowdown": self.max_slowdown, "isa_note": self.note,
                   "seconds": round(time.perf_counter() - t0, 3)}
         where = f" on {self.note}" if self.note else ""
@@ -113,10 +118,6 @@ class Screen:
 
     def _too_slow(self, call_s: float, eager_s: float) -> bool:
         return call_s > self.max_slowdown * eager_s and call_s - eager_s > MIN_LOSS_S
-
-    def _eager_s(self) -> float:
-        self.eager_call()                     # warm-up
-        return statistics.median(self.eager_call() for _ in range(EAGER_CALLS))
 
 
 def _fmt_s(seconds: float) -> str:
