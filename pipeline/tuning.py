@@ -57,6 +57,9 @@ FRONTEND_CANDIDATES: tuple[tuple[str, dict], ...] = (
 )
 
 
+REQUEST_TIMEOUT_S = 60.0      # a slow answer in a short window is slow, not lost
+
+
 class TuningError(RuntimeError):
     """Tuning cannot run or cannot decide; the message says what is missing."""
 
@@ -117,6 +120,10 @@ def candidates_from_curve(curve: list[CurvePoint], offline: dict, *, slo_ms: flo
                 d, _ = batch_delay_ms(p, slo_ms, headroom_share, w0)
                 add(OperatingCandidate(f"batch {p.batch_size}", p.batch_size, d, w0, t0, "larger batch",
                                        predicted=_prediction(p, d, w0, t0, bench_threads)))
+    if "max_batch_delay_ms" not in overridden and b0 > 1 and d0 > 2:
+        # The same batch with half the wait: under a load that fills batches, a long delay only adds latency.
+        add(OperatingCandidate(f"batch {b0}, delay {d0 // 2} ms", b0, d0 // 2, w0, t0, "shorter delay",
+                               predicted=_prediction(p0, d0 // 2, w0, t0, bench_threads) if p0 else None))
     if not {"workers", "threads_per_worker"} & overridden and cores >= 2 and w0 * t0 == cores:
         # The other extreme of the same cores: one worker with every core, or one worker per core.
         w1, t1 = (1, cores) if w0 > 1 else (cores, 1)
@@ -340,14 +347,18 @@ def thread_env(threads: int) -> dict:
 class Tuner:
     """Serves candidates of one model in real TorchServes, always stopped.
 
-    Candidates that differ only in model settings (batch, delay, workers, threads) share ONE server:
-    the model is unregistered and registered again through the management API (enabled only in
-    the tuner's own servers), which costs a worker start, not a JVM start. Frontend settings need
-    a server of their own each (`fresh=True`)."""
+    side_by_side (when the host's memory holds every candidate's workers at once): one server per
+    candidate, all up together, measured one at a time, so each pays one start whatever the rounds.
+    Otherwise candidates that differ only in model settings (batch, delay, workers, threads) share
+    ONE server: the model is unregistered and registered again through the management API (enabled
+    only in the tuner's own servers), a worker start per measurement instead of a JVM start; and
+    frontend settings (`fresh=True`) get a fresh server per measurement."""
 
     def __init__(self, model: ServedModel, cases: list[HttpCase], *, concurrency: int, measure_s: float,
-                 warmup_requests: int, workroot: Optional[Path] = None, progress: Optional[Callable] = None):
+                 warmup_requests: int, workroot: Optional[Path] = None, progress: Optional[Callable] = None,
+                 side_by_side: bool = False):
         self.model, self.cases = model, cases
+        self.side_by_side = side_by_side
         self.concurrency, self.measure_s, self.warmup_requests = concurrency, measure_s, warmup_requests
         self.workroot = Path(workroot) if workroot else Path(tempfile.mkdtemp(prefix="tune-"))
         self.progress = progress or (lambda: None)
@@ -394,7 +405,7 @@ class Tuner:
         out = []
         run_load(ts, self.cases, self.warmup_requests, max(levels), 60.0)
         for conc in levels:
-            load = run_load(ts, self.cases, 10 ** 9, conc, self.measure_s)
+            load = run_load(ts, self.cases, 10 ** 9, conc, self.measure_s, request_timeout_s=REQUEST_TIMEOUT_S)
             ok = load.requests_ok > 0 and load.errors_5xx == 0 and load.lost == 0
             out.append({"round": round_no, "ok": ok, "concurrency": conc, "ready_s": ready_s,
                         "throughput_rps": load.throughput_rps, "p50_ms": load.p50_ms, "p99_ms": load.p99_ms,
@@ -427,6 +438,8 @@ class Tuner:
         results = [CandidateResult(c) for c in candidates]
         n = len(candidates)
         order = [(rnd, (k + rnd) % n) for rnd in range(rounds) for k in range(n)]
+        if self.side_by_side:
+            return self._run_side_by_side(candidates, results, order)
         shareable = not fresh and len({tuple(sorted(c.frontend.items())) for c in candidates}) == 1
         if not shareable:
             for rnd, i in order:
@@ -455,6 +468,40 @@ class Tuner:
                     r.rounds.append({"round": 1, "ok": False, "concurrency": self.concurrency, "error": str(e)[:2000]})
         finally:
             shutil.rmtree(ts.workdir, ignore_errors=True)
+        return results
+
+    def _run_side_by_side(self, candidates: list[OperatingCandidate], results: list[CandidateResult],
+                          order: list[tuple[int, int]]) -> list[CandidateResult]:
+        """One server per candidate, all started first and kept up (idle ones cost memory, not
+        CPU), measured one at a time in `order`, then all stopped: a server start per candidate
+        instead of one per measurement."""
+        servers: list[Optional[TorchServe]] = []
+        try:
+            for i, c in enumerate(candidates):
+                ts = self._server(c)
+                try:
+                    ts.start()
+                    self.start_s.append(ts.readiness.ready_s)
+                    servers.append(ts)
+                except (ModelNotReady, TorchServeError) as e:
+                    servers.append(None)
+                    results[i].rounds.append({"round": 1, "ok": False, "concurrency": self.concurrency,
+                                              "error": str(e)[:2000]})
+            for rnd, i in order:
+                ts = servers[i]
+                if ts is not None:
+                    try:
+                        results[i].rounds.extend(self._load(ts, candidates[i], rnd + 1, ts.readiness.ready_s,
+                                                            [self.concurrency]))
+                    except (TorchServeError, OSError) as e:
+                        results[i].rounds.append({"round": rnd + 1, "ok": False, "concurrency": self.concurrency,
+                                                  "error": str(e)[:2000]})
+                self.progress()
+        finally:
+            for ts in servers:
+                if ts is not None:
+                    ts.stop(check=False)
+                    shutil.rmtree(ts.workdir, ignore_errors=True)
         return results
 
     def capacity(self, c: OperatingCandidate, slo_ms: float) -> dict:
@@ -493,6 +540,7 @@ class TuneSettings:
     measure_s: float = 2.0
     warmup_requests: int = 32
     frontend: bool = True
+    side_by_side: bool = False        # every candidate's server up at once (see Tuner)
 
 
 def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCandidate], s: TuneSettings,
@@ -508,7 +556,7 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
     runs = len(candidates) * s.rounds + ((len(FRONTEND_CANDIDATES) + 1) * s.rounds if s.frontend else 0)
     bar = progress_bar(runs, "tune: serving candidates")
     tuner = Tuner(model, cases, concurrency=s.expected_concurrency, measure_s=s.measure_s,
-                  warmup_requests=s.warmup_requests, workroot=workroot,
+                  warmup_requests=s.warmup_requests, workroot=workroot, side_by_side=s.side_by_side,
                   progress=(bar.update if bar is not None else None))
     try:
         phase1 = tuner.run_rounds(candidates, s.rounds)

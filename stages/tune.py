@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             settings = TuneSettings(latency_slo_ms=serve.latency_slo_ms, objective=serve.objective,
                                     min_gain=serve.min_batch_gain, expected_concurrency=serve.expected_concurrency,
                                     rounds=t.rounds, measure_s=t.measure_s, warmup_requests=t.warmup_requests,
-                                    frontend=t.frontend)
+                                    frontend=t.frontend,
+                                    side_by_side=fits_side_by_side(candidates, benchmark, env, serve.memory_share))
             t_build = time.monotonic()
             with tempfile.TemporaryDirectory(prefix="tune-store-") as tmp:
                 # The winner as a folder-form model: each candidate rewrites its model-config.yaml.
@@ -106,6 +107,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tune: error: {record.get('message')} — failing because serve.require_slo is true", file=sys.stderr)
         return 1
     return 0
+
+
+def fits_side_by_side(candidates, benchmark: dict, env: dict, memory_share: float) -> bool:
+    """Every candidate's workers (and the frontend variants of the largest) held at once within the
+    memory share of the host: peak RSS per worker from the benchmark; unknown → no."""
+    from pipeline.tuning import FRONTEND_CANDIDATES
+    rss = max([float(p["peak_rss_mb"]) for p in (benchmark.get("steady") or {}).values()
+               if isinstance(p, dict) and p.get("peak_rss_mb")] or [0.0])
+    host = env.get("memory_mb")
+    if not rss or not host:
+        return False
+    workers = max(sum(c.workers for c in candidates),
+                  (len(FRONTEND_CANDIDATES) + 1) * max(c.workers for c in candidates))
+    return workers * (rss + JAVA_MB_PER_SERVER) <= host * memory_share
+
+
+JAVA_MB_PER_SERVER = 300     # a TorchServe frontend's resident memory, roughly, counted per worker (conservative)
 
 
 def _metrics(record: dict) -> dict:

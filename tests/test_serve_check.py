@@ -175,11 +175,11 @@ def test_stage_end_to_end_winner_vs_baseline(tmp_path, monkeypatch):
     params.write_text(json.dumps({
         "model": {"name": "double", "source": "state_dict", "checkpoint": "unused.pt",
                   "factory": "unused.py:build", "task": "tensor", "input_shape": [3]},
-        "serve_check": {"requests": 40, "concurrency": 4, "time_cap_s": 60}}))
+        "serve_check": {"requests": 40, "concurrency": 4, "time_cap_s": 60, "rounds": 2}}))
     out = tmp_path / "metrics" / "serve_check.json"
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))
     for name, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("BASELINE_DIR", baseline),
-                        ("GOLDEN_DIR", golden), ("SERVE_CHECK_JSON", out)):
+                        ("GOLDEN_DIR", golden), ("SERVE_CHECK_JSON", out), ("HANDTUNED_DIR", tmp_path / "handtuned")):
         monkeypatch.setattr(stage, name, value)
 
     assert stage.main([]) == 0
@@ -197,6 +197,12 @@ def test_stage_end_to_end_winner_vs_baseline(tmp_path, monkeypatch):
     for k in ("load", "throughput", "p99"):
         assert rec["ratios"][k] > 0
     assert rec["ratios"]["load"] == pytest.approx(rec["ready_s"] / rec["baseline"]["ready_s"])
+    # Winner and baseline again in a second, interleaved round; no hand-tuned reference for this model.
+    refs = rec["references"]
+    assert set(refs["setups"]) == {"winner", "baseline"} and refs["ratios_handtuned"] is None
+    assert [r["round"] for r in refs["setups"]["winner"]["rounds"]] == [1, 2]
+    assert all(r["ok"] for s in refs["setups"].values() for r in s["rounds"])
+    assert refs["ratios_baseline"]["throughput"] > 0 and not refs["handtuned_setup"]["available"]
     # Both servers gone.
     from pipeline.torchserve import processes_of
     for detail in (rec["winner"], rec["baseline_detail"]):
@@ -258,7 +264,7 @@ def test_stage_end_to_end_on_real_handlers_and_archive(tmp_path, monkeypatch, te
     params.write_text(json.dumps({
         "model": {"name": "signalnet", "source": "state_dict", "checkpoint": "examples/tensor/weights.safetensors",
                   "factory": "examples/tensor/model.py:build", "task": "tensor", "input_shape": [16, 32]},
-        "serve_check": {"requests": 32, "concurrency": 4, "time_cap_s": 60}}))
+        "serve_check": {"requests": 32, "concurrency": 4, "time_cap_s": 60, "rounds": 1}}))
     out = tmp_path / "serve_check.json"
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))
     for name, value in (("MODEL_STORE", store), ("SERVE_DIR", inputs["serve_dir"]), ("BASELINE_DIR", baseline),
