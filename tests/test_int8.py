@@ -263,3 +263,18 @@ def test_int8_mar_served_with_parity_within_the_int8_gate(tmp_path, text_params)
     assert figures["recall_at_k"] >= gate["min_recall_at_k"]
     assert out["bad_inputs"]["ok"], out["bad_inputs"]
     assert out["load"]["requests_ok"] == 16
+
+
+def test_report_shows_int8_accuracy_beside_its_speed():
+    from pipeline.report import ReportInputs, accuracy_trade_blocks, render_markdown
+    gate = {"embedding": task_gate.embedding_figures(np.eye(41, 8) + 1.0, np.eye(41, 8) + 1.0, 10)}
+    bench = lambda sps: {"steady": {"8": {"batch_size": 8, "throughput_sps": sps}}}  # noqa: E731
+    inputs = ReportInputs("m", 200.0, ["onnx", "onnx-int8-dynamic"],
+                          conversions={"onnx": {"status": "converted"},
+                                       "onnx-int8-dynamic": {"status": "converted", "verification": {"task_gate": gate},
+                                                             "quantization": {"fp32_ops": ["a"], "quantizable_ops": 4}}},
+                          benchmarks={"onnx": bench(100.0), "onnx-int8-dynamic": bench(150.0)},
+                          model_config={"batchSize": 8})
+    md = render_markdown(accuracy_trade_blocks(inputs), None)
+    row = next(line for line in md.splitlines() if line.startswith("| onnx-int8-dynamic"))
+    assert "recall@10 1" in row and "1 of 4" in row and "| 1.5 |" in row
