@@ -150,6 +150,7 @@ def test_external_data_onnx_is_verified_listed_and_loads_from_its_folder(tensor_
     module = wide_mlp(1024, 4096, 5)                       # ~200 MB of fp32 weights
     record, out, golden = build_external_onnx(tensor_params, tmp_path, module, 1024, min_bytes=64 << 20)
     assert record["status"] == "converted", record["reason"]
+    assert record["method"] == "dynamo"                     # the exporter's own external data is kept as it is
     assert record["verification"]["batch_sizes"] == [1, 3]
     variant = json.loads((out / "variant.json").read_text())
     assert variant["external_data"] == ["model.onnx.data"]

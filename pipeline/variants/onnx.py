@@ -105,9 +105,10 @@ class OnnxConverter(Converter):
                 torch.onnx.export(loaded.module, args, str(path), dynamo=False, input_names=names_in,
                                   output_names=list(loaded.outputs), dynamic_axes=axes,
                                   opset_version=self.options.opset)
-        if external and not data_file(path).exists():
-            # One data file whatever the exporter wrote (the legacy one scatters a file per tensor).
-            _save(_load(path), path, external=True)
+        if external:
+            if not data_file(path).exists():
+                # One data file whatever the exporter wrote (the legacy one scatters a file per tensor).
+                _save(_load(path), path, external=True)
         elif data_file(path).exists():
             raise RuntimeError(f"the exporter wrote external data beside {path.name} for a model under "
                                f"{self.options.external_data_min_bytes} bytes of weights")
