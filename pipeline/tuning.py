@@ -238,10 +238,14 @@ def decide(results: list[CandidateResult], *, objective: str, slo_ms: float, min
         return gain > band, gain, band
 
     if not fits:
+        # Nothing meets the SLO: the incumbent stays unless a candidate's p99 is lower beyond the noise.
         best = min(served, key=lambda r: r.p99)
+        band = noise_band(best, incumbent, "p99_ms", min_gain)
+        gain = 1 - best.p99 / incumbent.p99 if incumbent.p99 else 0.0
+        chosen = best if best is not incumbent and gain > band else incumbent
         steps.append(f"no candidate's served p99 is within the SLO {slo_ms:g} ms; lowest p99: {best.candidate.name} "
-                     f"({best.p99:.1f} ms)")
-        chosen = best
+                     f"({best.p99:.1f} ms, {gain:.1%} below {incumbent.candidate.name}, noise band {band:.1%}): "
+                     f"{chosen.candidate.name} is served")
     else:
         chosen = incumbent if incumbent in fits else None
         if chosen is None:

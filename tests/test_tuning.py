@@ -269,3 +269,13 @@ def test_stage_require_slo_fails_with_the_served_reason(tmp_path, tensor_params,
     for f in ("model-config.yaml", "config.properties", "start_command.txt"):
         assert (paths["SERVE_DIR"] / f).is_file()
     _no_server_left()
+
+
+def test_when_nothing_meets_the_slo_the_incumbent_stays_within_noise():
+    off, alt = _cand("offline", 8, origin="offline"), _cand("no metrics", 8, origin="frontend")
+    d = decide([_result(off, [(100, 300), (110, 330)]), _result(alt, [(105, 280), (112, 300)])],
+               objective="throughput", slo_ms=200, min_gain=0.05)
+    assert d["chosen"] == 0 and not d["slo_met"] and "offline is served" in d["steps"][-1]
+    d = decide([_result(off, [(100, 300), (101, 302)]), _result(alt, [(105, 210), (106, 212)])],
+               objective="throughput", slo_ms=200, min_gain=0.05)
+    assert d["chosen"] == 1 and not d["slo_met"]
