@@ -111,7 +111,7 @@ class ConversionParams:
     golden_seed: int = 0
     golden_batches: int = 3                    # distinct batches per verified batch size
     screen: bool = True                        # screen each variant's batch-1 call against eager's (pipeline/plan.py)
-    screen_max_slowdown: float = 2.0           # ...and skip it when that call is more than this many times slower
+    screen_max_slowdown: float = 4.0           # ...and skip it when that call is more than this many times slower
     big_model_mb: float = 500.0                # from this model size on, verify one golden batch per batch size
     int8: Int8Params = field(default_factory=Int8Params)
 

@@ -7,11 +7,14 @@ Two inputs, both recorded:
   AVX512-BF16/AMX-BF16. A flag only says why a variant may be slow; it never decides alone.
 - a measured batch-1 call: once the artifact is built (seconds) and before verification, the
   golden batch-1 input runs through the variant's own runtime (the one serving uses) and the fp32
-  eager module in the same process, alternately. Up to `CALLS` calls each; the fastest of each side
-  counts (the first calls of a TorchScript module include its profiling runs; a busy spell on a
-  shared host slows both sides alike). A variant whose fastest call is more than
-  `conversion.screen_max_slowdown` times eager's (and slower by more than `MIN_LOSS_S`, so a tiny
-  model's noise decides nothing) is `skipped`: conversion.json keeps the measured reason, the folder
+  eager module in the same process, alternately, both on ONE thread. Up to `CALLS` calls each; the
+  fastest of each side counts (the first calls of a TorchScript module include its profiling runs;
+  a busy spell on a shared host slows both sides alike). One thread because the ratio is a property
+  of the kernels (emulated fp16 costs the same per op on one thread or many), while two thread pools
+  on busy cores measure the scheduler: OpenMP and ONNX Runtime workers spin after each call and
+  starve the other side (MiniLM's eager call measured 0.13-2.2 s with two threads on this busy host).
+  A variant whose fastest call is more than `conversion.screen_max_slowdown` times eager's (and
+  slower by more than `MIN_LOSS_S`, so a tiny model's noise decides nothing) is `skipped`: conversion.json keeps the measured reason, the folder
   keeps nothing loadable, benchmark/select/report treat it like a rejected variant.
 
 `conversion.screen: false` builds and verifies every variant whatever the screen would say.
@@ -75,7 +78,7 @@ class Screen:
     eager_call: Optional[Callable[[], float]]   # one fp32 eager batch-1 call -> seconds; None: not measured
     feeds: dict
     device: str = "cpu"
-    threads: Optional[int] = None
+    threads: int = 1
 
     def __call__(self, model_dir: Path) -> dict:
         """{'decision': 'build' | 'skip', 'reason', figures...}; never raises for a slow variant."""
@@ -83,8 +86,11 @@ class Screen:
         if self.eager_call is None:
             return {"decision": "skip" if self.note else "build", "isa_note": self.note, "seconds": 0.0,
                     "reason": f"{self.variant}: {self.note}" if self.note else "not measured on this device"}
+        import torch
         t0 = time.perf_counter()
+        torch_threads = torch.get_num_threads()
         runtime = load_runtime(model_dir, device=self.device, threads=self.threads)
+        torch.set_num_threads(self.threads)          # the eager side too (a torch runtime already did)
         eager_calls: list[float] = []
         calls: list[float] = []
         try:
@@ -102,6 +108,7 @@ class Screen:
                     break             # clear-cut: a third call of a slow variant costs the most
         finally:
             runtime.close()
+            torch.set_num_threads(torch_threads)     # verification and later builds keep their threads
         eager_s = min(eager_calls)
         best = min(calls)
         slowdown = best / eager_s if eager_s > 0 else float("inf")
@@ -126,8 +133,7 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds >= 0.01 else f"{seconds * 1000:.3f} ms"
 
 
-def make_screen(converter_cls, params, loaded, golden, env: dict, device: str,
-                threads: Optional[int] = None) -> Optional[Screen]:
+def make_screen(converter_cls, params, loaded, golden, env: dict, device: str) -> Optional[Screen]:
     """The screen for one variant, or None when it is not screened (the reference, or
     `conversion.screen: false`)."""
     if converter_cls.name == REFERENCE or not params.conversion.screen:
@@ -149,7 +155,7 @@ def make_screen(converter_cls, params, loaded, golden, env: dict, device: str,
 
     return Screen(variant=converter_cls.name, dtype=converter_cls.dtype, note=note,
                   max_slowdown=params.conversion.screen_max_slowdown, eager_call=eager_call,
-                  feeds=batch1.feeds, device=device, threads=threads)
+                  feeds=batch1.feeds, device=device)
 
 
 def bounded_golden(golden, loaded, params):
