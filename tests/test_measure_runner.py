@@ -157,7 +157,8 @@ def test_benchmark_variant_with_a_tiny_torch_model(tiny):
         assert s["batch_size"] == int(b) and s["rounds"] == 2 and s["iters"] >= 20
         assert len(s["round_p50_ms"]) == 2 and s["spread"] >= 0
         assert min(s["round_p50_ms"]) <= s["p50_ms"] * 1.001 and s["p50_ms"] <= s["p99_ms"]
-        assert s["peak_rss_mb"] > 0 and s["peak_gpu_mb"] is None and s["noisy"] is False
+        # `noisy` depends on how busy the shared host was: recorded, not asserted
+        assert s["peak_rss_mb"] > 0 and s["peak_gpu_mb"] is None and isinstance(s["noisy"], bool)
         assert 0 < s["cpu_share"] <= 1.5
         # both figures are rounded to 4 decimals in the record
         assert s["p50_ref"] == pytest.approx(s["p50_ms"] / r["host_reference"]["median_ms"], rel=1e-3, abs=1e-4)
