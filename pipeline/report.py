@@ -556,45 +556,6 @@ def build_blocks(inputs: ReportInputs, images: dict[str, Path]) -> list[Block]:
     return b
 
 
-def _gate_text(f: dict) -> str:
-    if f.get("kind") == "text-embedding":
-        return (f"min cosine {_fmt(f.get('min_cosine'))}, mean {_fmt(f.get('mean_cosine'))}, "
-                f"recall@{f.get('k')} {_fmt(f.get('recall_at_k'))}")
-    return f"top-1 agreement {_fmt(f.get('top1_agreement'))}, top-{f.get('k')} overlap {_fmt(f.get('topk_overlap'))}"
-
-
-def accuracy_trade_blocks(inputs: ReportInputs) -> list[Block]:
-    """Variants judged by a task gate (int8): their accuracy figures on the golden set beside their
-    throughput against the fp32 `onnx` variant (else `eager`) at the served batch size (else the
-    largest both measured), so the trade is visible."""
-    base = "onnx" if (inputs.benchmarks.get("onnx") or {}).get("steady") else "eager"
-    ref = dict(steady_points(inputs.benchmarks.get(base) or {}, "throughput_sps"))
-    rows = []
-    for v in inputs.variants:
-        conv = inputs.conversions.get(v) or {}
-        gate = (conv.get("verification") or {}).get("task_gate")
-        if not gate:
-            continue
-        q = conv.get("quantization") or {}
-        thr = dict(steady_points(inputs.benchmarks.get(v) or {}, "throughput_sps"))
-        common = sorted(set(thr) & set(ref))
-        bs = serving_batch_size(inputs) if serving_batch_size(inputs) in common else (common[-1] if common else None)
-        ratio = thr[bs] / ref[bs] if bs is not None and ref.get(bs) else None
-        kept = q.get("fp32_ops")
-        for name, f in gate.items():
-            rows.append([v, name, conv.get("status"), _gate_text(f),
-                         f"{len(kept)} of {q.get('quantizable_ops')}" if kept is not None else "–",
-                         bs, thr.get(bs) if bs else None, ref.get(bs) if bs else None, ratio])
-    if not rows:
-        return []
-    return [Heading("Accuracy against speed (task-gated variants)", 3),
-            Para(f"Accuracy on the golden set (conversion.json `verification.task_gate`) beside throughput "
-                 f"relative to `{base}` (fp32) at the same batch size. Ops kept fp32 = the sensitivity "
-                 f"fallback's choice."),
-            Table(["variant", "output", "conversion", "accuracy", "ops kept fp32", "batch",
-                   "throughput (samples/s)", f"{base} (samples/s)", f"× {base}"], rows)]
-
-
 def _model_bytes(inputs: ReportInputs) -> Optional[int]:
     """The reference model's size: the eager variant's artifact (the checkpoint's weights)."""
     eager = inputs.conversions.get("eager") or inputs.benchmarks.get("eager") or {}
@@ -679,6 +640,45 @@ def stage_cost_blocks(inputs: ReportInputs) -> list[Block]:
                  f"peak over the model's size ({_fmt_bytes(size)})."),
             Table(["stage", "wall (s)", "peak RSS stage (MB)", "peak RSS children (MB)", "copies of the model",
                    "exit", "started"], rows)]
+
+
+def _gate_text(f: dict) -> str:
+    if f.get("kind") == "text-embedding":
+        return (f"min cosine {_fmt(f.get('min_cosine'))}, mean {_fmt(f.get('mean_cosine'))}, "
+                f"recall@{f.get('k')} {_fmt(f.get('recall_at_k'))}")
+    return f"top-1 agreement {_fmt(f.get('top1_agreement'))}, top-{f.get('k')} overlap {_fmt(f.get('topk_overlap'))}"
+
+
+def accuracy_trade_blocks(inputs: ReportInputs) -> list[Block]:
+    """Variants judged by a task gate (int8): their accuracy figures on the golden set beside their
+    throughput against the fp32 `onnx` variant (else `eager`) at the served batch size (else the
+    largest both measured), so the trade is visible."""
+    base = "onnx" if (inputs.benchmarks.get("onnx") or {}).get("steady") else "eager"
+    ref = dict(steady_points(inputs.benchmarks.get(base) or {}, "throughput_sps"))
+    rows = []
+    for v in inputs.variants:
+        conv = inputs.conversions.get(v) or {}
+        gate = (conv.get("verification") or {}).get("task_gate")
+        if not gate:
+            continue
+        q = conv.get("quantization") or {}
+        thr = dict(steady_points(inputs.benchmarks.get(v) or {}, "throughput_sps"))
+        common = sorted(set(thr) & set(ref))
+        bs = serving_batch_size(inputs) if serving_batch_size(inputs) in common else (common[-1] if common else None)
+        ratio = thr[bs] / ref[bs] if bs is not None and ref.get(bs) else None
+        kept = q.get("fp32_ops")
+        for name, f in gate.items():
+            rows.append([v, name, conv.get("status"), _gate_text(f),
+                         f"{len(kept)} of {q.get('quantizable_ops')}" if kept is not None else "–",
+                         bs, thr.get(bs) if bs else None, ref.get(bs) if bs else None, ratio])
+    if not rows:
+        return []
+    return [Heading("Accuracy against speed (task-gated variants)", 3),
+            Para(f"Accuracy on the golden set (conversion.json `verification.task_gate`) beside throughput "
+                 f"relative to `{base}` (fp32) at the same batch size. Ops kept fp32 = the sensitivity "
+                 f"fallback's choice."),
+            Table(["variant", "output", "conversion", "accuracy", "ops kept fp32", "batch",
+                   "throughput (samples/s)", f"{base} (samples/s)", f"× {base}"], rows)]
 
 
 # --------------------------------------------------------------------------- renderers
@@ -796,11 +796,28 @@ def served_verdict(inputs: ReportInputs) -> dict:
     else:
         out["slo_basis"] = "predicted"
     refs = (inputs.serve_check or {}).get("references") or {}
+    confirm = _serve_check_confirmation(t, refs)
+    if confirm is not None:
+        out["serve_check_confirms_slo"] = confirm["within_slo"]
+        if out.get("slo_met") and not confirm["within_slo"]:
+            # A verdict must hold in the server the model ships in: serve_check's interleaved rounds
+            # at the same load measured the archived model missing the SLO, so it is not met.
+            out.update(slo_met=False, slo_basis="served (serve_check)", served_p99_ms=confirm["p99_ms"])
     rh = refs.get("ratios_handtuned") or {}
     if rh:
         out["vs_handtuned"] = {"throughput": rh.get("throughput"), "throughput_within_slo": rh.get("throughput_within_slo"),
                                "p99": rh.get("p99"), "ready": rh.get("ready"), "rounds": refs.get("rounds")}
     return out
+
+
+def _serve_check_confirmation(tuning: dict, refs: dict) -> Optional[dict]:
+    """serve_check's median p99 of the archived winner, when it was measured at the load the tune
+    stage certified (same requests in flight); None when it was not."""
+    winner = (refs.get("setups") or {}).get("winner") or {}
+    expected = tuning.get("expected_concurrency")
+    if winner.get("p99_ms") is None or expected is None or refs.get("concurrency") != expected:
+        return None
+    return {"within_slo": bool(winner.get("within_slo")), "p99_ms": winner.get("p99_ms")}
 
 
 def tuning_blocks(inputs: ReportInputs) -> list[Block]:

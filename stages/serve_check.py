@@ -116,7 +116,8 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dic
     setups = interleaved_rounds(specs, cases, task=params.model.task, rounds=sc.rounds, requests=sc.requests,
                                 concurrency=sc.concurrency, time_cap_s=sc.time_cap_s,
                                 slo_ms=params.serve.latency_slo_ms, first_round=first)
-    out = {"rounds": sc.rounds, "latency_slo_ms": params.serve.latency_slo_ms, "handtuned_setup": handtuned,
+    out = {"rounds": sc.rounds, "concurrency": sc.concurrency, "latency_slo_ms": params.serve.latency_slo_ms,
+           "handtuned_setup": handtuned,
            "setups": setups,
            "ratios_handtuned": ratios(setups["winner"], setups["handtuned"]) if "handtuned" in setups else None,
            "ratios_baseline": ratios(setups["winner"], setups["baseline"]) if "baseline" in setups else None}

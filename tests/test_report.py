@@ -196,3 +196,24 @@ def test_summary_falls_back_to_best_batch_without_config(tmp_path):
     best = max(steady.values(), key=lambda r: r["throughput_sps"])
     assert s["batch_size"] is None and s["throughput_sps"] == pytest.approx(best["throughput_sps"])
     assert inputs.mar["model_version"] == "1.0" and len(inputs.mar["sha256"]) == 64
+
+
+def _served_inputs(winner_p99: float, concurrency: int = 16):
+    from pipeline.report import ReportInputs
+    tuning = {"enabled": True, "slo_met": True, "served_p99_ms": 80.0, "served_throughput_rps": 300.0,
+              "expected_concurrency": 16}
+    refs = {"concurrency": concurrency, "setups": {"winner": {"p99_ms": winner_p99, "within_slo": winner_p99 <= 100}}}
+    return ReportInputs(model_name="tiny", latency_slo_ms=100.0, variants=VARIANTS, selection={"slo_met": True},
+                        tuning=tuning, serve_check={"references": refs})
+
+
+def test_served_slo_verdict_must_hold_in_serve_check_too():
+    from pipeline.report import served_verdict
+    ok = served_verdict(_served_inputs(90.0))
+    assert ok["slo_met"] is True and ok["serve_check_confirms_slo"] is True and ok["slo_basis"] == "served"
+    # the archived winner missed the SLO in serve_check's rounds at the same load: not met
+    miss = served_verdict(_served_inputs(140.0))
+    assert miss["slo_met"] is False and miss["served_p99_ms"] == 140.0 and miss["slo_basis"] == "served (serve_check)"
+    # measured at another load: it neither confirms nor overturns the tune stage's verdict
+    other = served_verdict(_served_inputs(140.0, concurrency=32))
+    assert other["slo_met"] is True and "serve_check_confirms_slo" not in other
