@@ -43,7 +43,7 @@ import torch
 from pipeline.params import Int8Params, Params, Tolerance, _default_tolerances
 from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, register
 from pipeline.variants.onnx import OnnxConverter
-from pipeline.variants.sensitivity import Calibration, search
+from pipeline.variants.sensitivity import RANKING_BATCHES, Calibration, local_error, search
 from pipeline.variants.torchscript import TorchScriptConverter
 
 log = logging.getLogger(__name__)
@@ -99,10 +99,12 @@ class Int8Mixin:
         return Calibration(feeds, [reference(f) for f in feeds], list(ctx.golden.outputs), kind,
                            classification=kind == "image-classification")
 
-    def run_search(self, candidates, quantize, run, cal: Calibration):
+    def run_search(self, candidates, quantize, run, cal: Calibration, op_errors=None):
         o, q = self.options, self._q()
+        # Kept on the converter: a second build method reuses the ranking and shares the budget.
+        state = self.__dict__.setdefault("_search_state", {})
         return search(candidates, quantize, run, cal, o.tolerance, o.min_topk_agreement,
-                      q.sensitivity_budget_s, q.max_fp32_share)
+                      q.sensitivity_budget_s, q.max_fp32_share, op_errors=op_errors, state=state)
 
 
 # --------------------------------------------------------------------------- ONNX
@@ -151,11 +153,15 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
                 self._quantize(fp32, out, cal, tmp, nodes=only or candidates, exclude=exclude)
                 return out
 
-            def run(path: Path):
+            def run(path: Path, on: Calibration):
                 runner = _OrtRunner(path)
-                return [runner.run(f) for f in cal.feeds]
+                return [runner.run(f) for f in on.feeds]
 
-            chosen, record = self.run_search(candidates, quantize, run, cal)
+            def op_errors(ops: list[str]) -> dict[str, float]:
+                return onnx_op_errors(fp32, ops, cal.feeds[:RANKING_BATCHES], tmp, self._q().reduce_range,
+                                      self._q().per_channel, static=self.scheme != "dynamic")
+
+            chosen, record = self.run_search(candidates, quantize, run, cal, op_errors)
             q = self._q()
             self._record.update(scheme=self.scheme, per_channel=q.per_channel, reduce_range=q.reduce_range,
                                 weight_type="int8", op_types=list(QUANTIZABLE_OPS), **self._scheme_record(), **record)
@@ -213,6 +219,65 @@ def weight_nodes(path: Path) -> list[str]:
     consts |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
     return [n.name for n in model.graph.node
             if n.op_type in QUANTIZABLE_OPS and len(n.input) > 1 and n.input[1] in consts and n.name]
+
+
+def onnx_op_errors(path: Path, ops: list[str], feeds: list[dict], tmp: Path, reduce_range: bool,
+                   per_channel: bool, static: bool) -> dict[str, float]:
+    """Each op's own int8 error (sensitivity.local_error) on the inputs the fp32 graph feeds it: one
+    run of the graph with those inputs exposed as outputs. An op it cannot simulate ranks first."""
+    import onnx
+    from onnx import helper, numpy_helper
+    model = onnx.load(str(path))
+    weights = {i.name: i for i in model.graph.initializer}
+    weights.update({n.output[0]: a.t for n in model.graph.node if n.op_type == "Constant"
+                    for a in n.attribute if a.name == "value"})
+    nodes = {n.name: n for n in model.graph.node if n.name in set(ops)}
+    have = {o.name for o in model.graph.output}
+    probes = sorted({nodes[op].input[0] for op in nodes} - have)
+    model.graph.output.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in probes)
+    probe = tmp / "probe.onnx"
+    big = model.ByteSize() > 1_800_000_000       # protobuf's 2 GB limit
+    onnx.save(model, str(probe), save_as_external_data=big, all_tensors_to_one_file=True, location="probe.onnx.data")
+    runner = _OrtRunner(probe)
+    names = [o.name for o in runner.session.get_outputs()]
+    runs = [dict(zip(names, runner.session.run(None, {n: f[n] for n in runner.names}))) for f in feeds]
+    errors: dict[str, float] = {}
+    for op, node in nodes.items():
+        xs = [torch.from_numpy(np.asarray(r[node.input[0]], np.float32)) for r in runs]
+        apply, w, axis = _op_math(node, torch.from_numpy(numpy_helper.to_array(weights[node.input[1]]).astype(np.float32)))
+        if apply is None:
+            errors[op] = float("inf")
+            continue
+        lo, hi = min(float(x.min()) for x in xs), max(float(x.max()) for x in xs)
+        errors[op] = float(np.mean([local_error(apply, x, w, axis if per_channel else None,
+                                                (lo, hi) if static else (float(x.min()), float(x.max())),
+                                                reduce_range) for x in xs]))
+    return errors
+
+
+def _op_math(node, w: torch.Tensor):
+    """→ (apply(x, w), the weight as apply wants it, its output-channel axis) for MatMul/Gemm/Conv."""
+    import torch.nn.functional as F
+    from onnx import helper
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == "MatMul":
+        return (lambda x, w: x @ w), w, w.dim() - 1
+    if node.op_type == "Gemm":
+        if attrs.get("transA"):
+            return None, w, None
+        w = w.T if attrs.get("transB") else w
+        return (lambda x, w: x @ w), w, 1
+    if node.op_type == "Conv" and attrs.get("auto_pad", b"NOTSET") in (b"NOTSET", "NOTSET") and 3 <= w.dim() <= 5:
+        dims = w.dim() - 2
+        conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+        pads = list(attrs.get("pads", [0] * 2 * dims))
+        torch_pad = [p for i in reversed(range(dims)) for p in (pads[i], pads[i + dims])]
+
+        def apply(x, w):
+            return conv(F.pad(x, torch_pad), w, stride=attrs.get("strides", 1), dilation=attrs.get("dilations", 1),
+                        groups=attrs.get("group", 1))
+        return apply, w, 0
+    return None, w, None
 
 
 class _OrtRunner:
@@ -282,10 +347,28 @@ class TorchInt8Converter(Int8Mixin, TorchScriptConverter):
             return quantize_dynamic(copy.deepcopy(loaded.module).eval(), qconfig_spec={n: qconfig for n in names},
                                     dtype=torch.qint8)
 
-        def run(module):
-            return [run_reference(dataclasses.replace(loaded, module=module), f) for f in cal.feeds]
+        def run(module, on: Calibration):
+            return [run_reference(dataclasses.replace(loaded, module=module), f) for f in on.feeds]
 
-        self._module, record = self.run_search(candidates, quantize, run, cal)
+        def op_errors(ops: list[str]) -> dict[str, float]:
+            """Each Linear's own int8 error on the inputs the eager model feeds it (one pass)."""
+            import torch.nn.functional as F
+            seen: dict[str, list] = {n: [] for n in ops}
+            mods = dict(loaded.module.named_modules())
+            hooks = [mods[n].register_forward_pre_hook(lambda m, a, n=n: seen[n].append(a[0].detach().float().cpu()))
+                     for n in ops]
+            try:
+                for f in cal.feeds[:RANKING_BATCHES]:
+                    run_reference(loaded, f)
+            finally:
+                for h in hooks:
+                    h.remove()
+            return {n: float(np.mean([local_error(F.linear, x, mods[n].weight.detach().float().cpu(),
+                                                  0 if self._q().per_channel else None,
+                                                  (float(x.min()), float(x.max())), False) for x in xs]))
+                    for n, xs in seen.items()}
+
+        self._module, record = self.run_search(candidates, quantize, run, cal, op_errors)
         self._record = {"scheme": "dynamic", "engine": engine, "weight_type": "int8", "op_types": ["Linear"],
                         "per_channel": self._q().per_channel, **record}
         return self._module

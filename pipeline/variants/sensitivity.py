@@ -2,15 +2,28 @@
 
 `search` quantizes every candidate op (MatMul/Gemm/Conv with weights, or nn.Linear) and judges the
 result on the calibration set with the variant's own gate (pipeline.verify.compare, so the same rule
-as the golden-set verification). On a miss it measures each op's sensitivity — the output error when
-ONLY that op is quantized (mean 1 - cosine per sample over the calibration set) — and keeps the most
-sensitive ops in fp32: 1, 2, 4, ... of them until the gate passes, then bisects back to the fewest
-that pass. It stops when `budget_s` is spent or `max_fp32_share` of the ops would be kept; then the
-last (most-kept) attempt is returned and the golden-set verification rejects it with its figures.
-The record says what was tried, each attempt's figures and which ops stayed fp32.
+as the golden-set verification) tightened by a MARGIN: every "at least" figure must reach a quarter
+of the way from its threshold to 1 (min cosine 0.995 → 0.99625, recall@10 0.95 → 0.9625), every
+"at most" bound is cut to three quarters — a calibration pass by a hair would miss the held-out
+golden gate by a hair. The golden-set verification stays the only acceptance test.
 
-Format-agnostic: the caller passes `quantize(exclude, only)` → a handle and `run(handle)` → the
-outputs per calibration batch (ONNX files or torch modules alike).
+On a miss it ranks the ops by sensitivity and keeps the most sensitive in fp32: 1, 2, 4, ... of them
+until the (margined) gate passes, then bisects back to the fewest that pass. It stops when `budget_s`
+is spent or `max_fp32_share` of the ops would be kept; then the last (most-kept) attempt is returned
+and the golden-set verification rejects it with its figures.
+
+Ranking, cheap by default (`op_errors`, ONE pass): each op's own output error when its input and
+weight are fake-quantized as int8 would (`local_error`: u8 per-tensor activations, s8 per-channel
+weights), on the activations the fp32 model really feeds it over the first RANKING_BATCHES
+calibration batches. Without `op_errors` (or for a scheme that quantizes more than an op's input and
+weight): each op quantized alone in the full model, run over the ranking batches. Either way full-
+model runs judge only the 1, 2, 4, ... attempts, over the whole calibration set.
+
+`state` (a dict the converter keeps across its build methods) caches the ranking per candidate set
+and the time already spent, so a second build method neither re-ranks nor gets a second budget.
+
+Format-agnostic: the caller passes `quantize(exclude, only)` → a handle and `run(handle, cal)` → the
+outputs per batch of `cal` (ONNX files or torch modules alike).
 """
 from __future__ import annotations
 
@@ -20,7 +33,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import dataclasses
+
 import numpy as np
+import torch
 
 from pipeline.params import Tolerance
 from pipeline.task_gate import row_cosines
@@ -30,6 +46,8 @@ log = logging.getLogger(__name__)
 
 Outputs = list[list[np.ndarray]]          # per calibration batch: the outputs in order
 TOP_RECORDED = 12                         # sensitivities kept in the record (most sensitive first)
+RANKING_BATCHES = 2                       # calibration batches the ranking looks at (judging uses all)
+MARGIN = 0.25                             # share of the way from a threshold to 1 a calibration pass must reach
 
 
 @dataclass
@@ -53,6 +71,46 @@ def judge(cal: Calibration, got: Outputs, tol: Tolerance, min_topk_agreement: fl
     return compare(results, cal.output_names, tol, cal.classification, min_topk_agreement, task=cal.task)
 
 
+def with_margin(tol: Tolerance) -> Tolerance:
+    """The gate the search must pass on the calibration set: stricter than the golden gate by MARGIN."""
+    up = lambda t: t + MARGIN * (1.0 - t)  # noqa: E731
+    return dataclasses.replace(tol, atol=tol.atol * (1 - MARGIN), rtol=tol.rtol * (1 - MARGIN),
+                               min_cosine=up(tol.min_cosine), min_recall_at_k=up(tol.min_recall_at_k),
+                               min_top1_agreement=up(tol.min_top1_agreement),
+                               min_topk_overlap=up(tol.min_topk_overlap))
+
+
+def fake_quant_activation(x: torch.Tensor, lo: float, hi: float, reduce_range: bool) -> torch.Tensor:
+    """u8 asymmetric per-tensor quantize → dequantize over [lo, hi] (widened to hold 0, as ORT does)."""
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    levels = 127 if reduce_range else 255
+    scale = (hi - lo) / levels or 1.0
+    zp = round(-lo / scale)
+    return (torch.clamp(torch.round(x / scale) + zp, 0, levels) - zp) * scale
+
+
+def fake_quant_weight(w: torch.Tensor, axis: Optional[int], reduce_range: bool) -> torch.Tensor:
+    """s8 symmetric quantize → dequantize, per channel along `axis` (None: per tensor)."""
+    qmax = 63 if reduce_range else 127
+    if axis is None:
+        amax = w.abs().max()
+    else:
+        amax = w.abs().amax(dim=[d for d in range(w.dim()) if d != axis % w.dim()], keepdim=True)
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    return torch.clamp(torch.round(w / scale), -qmax, qmax) * scale
+
+
+def local_error(apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, w: torch.Tensor,
+                channel_axis: Optional[int], act_range: tuple[float, float], reduce_range: bool) -> float:
+    """Mean over samples of 1 - cosine between the op's fp32 output and its output with the input
+    and weight fake-quantized: how much int8 moves what this op alone computes."""
+    with torch.no_grad():
+        y = apply(x, w)
+        yq = apply(fake_quant_activation(x, *act_range, reduce_range), fake_quant_weight(w, channel_axis, reduce_range))
+    rows = y.shape[0] if y.dim() > 1 else 1
+    return float(np.mean(1.0 - row_cosines(yq.reshape(rows, -1).double().numpy(), y.reshape(rows, -1).double().numpy())))
+
+
 def _figures(v) -> dict:
     if v.task_gate:
         return {name: {k: f[k] for k in ("min_cosine", "mean_cosine", "k", "recall_at_k", "top1_agreement",
@@ -62,15 +120,27 @@ def _figures(v) -> dict:
 
 def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[str]]], Any],
            run: Callable[[Any], Outputs], cal: Calibration, tol: Tolerance, min_topk_agreement: float,
-           budget_s: float, max_fp32_share: float) -> tuple[Any, dict]:
-    """→ (the chosen quantized handle, the record for variant.json/conversion.json)."""
+           budget_s: float, max_fp32_share: float,
+           op_errors: Optional[Callable[[list[str]], dict[str, float]]] = None,
+           state: Optional[dict] = None) -> tuple[Any, dict]:
+    """→ (the chosen quantized handle, the record for variant.json/conversion.json).
+    `op_errors(candidates)` → each op's proxy error (one pass; see the module docstring)."""
+    state = {} if state is None else state
+    budget_s = max(0.0, budget_s - state.get("spent_s", 0.0))    # one budget over all build methods
     t0 = time.perf_counter()
+    margined = with_margin(tol)
     record: dict[str, Any] = {"quantizable_ops": len(candidates), "ops": list(candidates), "judged_on": f"{len(cal.feeds)} calibration batches "
-                              f"({sum(len(next(iter(f.values()))) for f in cal.feeds)} samples)", "attempts": []}
+                              f"({sum(len(next(iter(f.values()))) for f in cal.feeds)} samples)",
+                              "margin": {"share_to_1": MARGIN, "min_cosine": margined.min_cosine,
+                                         "min_recall_at_k": margined.min_recall_at_k,
+                                         "min_top1_agreement": margined.min_top1_agreement,
+                                         "min_topk_overlap": margined.min_topk_overlap,
+                                         "atol": margined.atol, "rtol": margined.rtol},
+                              "attempts": []}
 
     def attempt(kept: list[str]):
         handle = quantize(kept, None)
-        v = judge(cal, run(handle), tol, min_topk_agreement)
+        v = judge(cal, run(handle, cal), margined, min_topk_agreement)
         record["attempts"].append({"fp32_ops": len(kept), "passed": v.passed, "figures": _figures(v),
                                    "reason": v.reason})
         log.info("int8 with %d op(s) kept fp32: %s — %s", len(kept), "passes" if v.passed else "misses", v.reason)
@@ -81,8 +151,15 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
     chosen, kept = handle, []
     spent = lambda: time.perf_counter() - t0 > budget_s  # noqa: E731
     if not v.passed and candidates and budget_s > 0:
-        ranked, measured = _sensitivities(candidates, quantize, run, cal, t0, budget_s)
-        record["sensitivity"] = {"measured": len(measured), "of": len(candidates),
+        cached = state.setdefault("rankings", {}).get(tuple(candidates))
+        if cached:
+            (ranked, measured, how), reused = cached, True
+        else:
+            ranked, measured, how = _rank(candidates, quantize, run, cal, t0, budget_s, op_errors)
+            state["rankings"][tuple(candidates)], reused = (ranked, measured, how), False
+        record["sensitivity"] = {"measured": len(measured), "of": len(candidates), "by": how,
+                                 "reused_from_an_earlier_build_method": reused,
+                                 "ranking_s": round(time.perf_counter() - t0, 2),
                                  "most_sensitive": [{"op": op, "error": round(err, 7)}
                                                     for op, err in measured[:TOP_RECORDED]]}
         max_keep = max(1, math.floor(max_fp32_share * len(candidates)))
@@ -112,17 +189,33 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
     record["fp32_ops"] = kept
     record["passed_on_calibration"] = any(a["passed"] and a["fp32_ops"] == len(kept) for a in record["attempts"])
     record["search_s"] = round(time.perf_counter() - t0, 2)
+    state["spent_s"] = state.get("spent_s", 0.0) + record["search_s"]
     return chosen, record
+
+
+def _rank(candidates, quantize, run, cal, t0, budget_s, op_errors):
+    """→ (ops most sensitive first, [(op, error)] measured, how)."""
+    if op_errors is not None:
+        errors = op_errors(candidates)
+        measured = sorted(errors.items(), key=lambda e: -e[1])
+        seen = set(errors)
+        return ([op for op, _ in measured] + [op for op in candidates if op not in seen], measured,
+                f"each op's own output error with its input and weight fake-quantized, one pass over "
+                f"{min(RANKING_BATCHES, len(cal.feeds))} calibration batch(es)")
+    ranked, measured = _sensitivities(candidates, quantize, run, cal, t0, budget_s)
+    return ranked, measured, (f"the full model with only that op quantized, over "
+                              f"{min(RANKING_BATCHES, len(cal.feeds))} calibration batch(es)")
 
 
 def _sensitivities(candidates, quantize, run, cal, t0, budget_s) -> tuple[list[str], list[tuple[str, float]]]:
     """Each op's error when only it is quantized, most sensitive first; ops not measured within the
     budget follow in graph order (unknown sensitivity)."""
+    few = dataclasses.replace(cal, feeds=cal.feeds[:RANKING_BATCHES], reference=cal.reference[:RANKING_BATCHES])
     measured = []
     for op in candidates:
         if time.perf_counter() - t0 > budget_s:
             break
-        measured.append((op, output_error(run(quantize([], [op])), cal.reference)))
+        measured.append((op, output_error(run(quantize([], [op]), few), few.reference)))
     measured.sort(key=lambda e: -e[1])
     seen = {op for op, _ in measured}
     return [op for op, _ in measured] + [op for op in candidates if op not in seen], measured
