@@ -95,7 +95,7 @@ class Int8Params:
     calibration_samples: int = 64              # representative requests (task's example distribution, own seed)
     per_channel: bool = True                   # per-output-channel weight scales
     reduce_range: bool = False                 # 7-bit weights: set true for AVX2 hosts without VNNI (u8s8 saturation)
-    sensitivity_budget_s: float = 300.0        # time for the per-layer sensitivity fallback
+    sensitivity_budget_s: float = 120.0        # time for the per-layer sensitivity fallback (one budget over all build methods)
     max_fp32_share: float = 0.5                # keep at most this share of the quantizable ops in fp32
 
 

@@ -43,7 +43,7 @@ import torch
 from pipeline.params import Int8Params, Params, Tolerance, _default_tolerances
 from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, register
 from pipeline.variants.onnx import OnnxConverter
-from pipeline.variants.sensitivity import RANKING_BATCHES, Calibration, local_error, search
+from pipeline.variants.sensitivity import RANKING_BATCHES, Calibration, search
 from pipeline.variants.torchscript import TorchScriptConverter
 
 log = logging.getLogger(__name__)
@@ -158,8 +158,7 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
                 return [runner.run(f) for f in on.feeds]
 
             def op_errors(ops: list[str]) -> dict[str, float]:
-                return onnx_op_errors(fp32, ops, cal.feeds[:RANKING_BATCHES], tmp, self._q().reduce_range,
-                                      self._q().per_channel, static=self.scheme != "dynamic")
+                return onnx_op_errors(fp32, ops, cal, tmp, self._q().reduce_range, self._q().per_channel)
 
             chosen, record = self.run_search(candidates, quantize, run, cal, op_errors)
             q = self._q()
@@ -221,63 +220,61 @@ def weight_nodes(path: Path) -> list[str]:
             if n.op_type in QUANTIZABLE_OPS and len(n.input) > 1 and n.input[1] in consts and n.name]
 
 
-def onnx_op_errors(path: Path, ops: list[str], feeds: list[dict], tmp: Path, reduce_range: bool,
-                   per_channel: bool, static: bool) -> dict[str, float]:
-    """Each op's own int8 error (sensitivity.local_error) on the inputs the fp32 graph feeds it: one
-    run of the graph with those inputs exposed as outputs. An op it cannot simulate ranks first."""
+def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, tmp: Path, reduce_range: bool,
+                   per_channel: bool) -> dict[str, float]:
+    """Each op's effect on the model's outputs when only it is int8 (fake-quantized: its input through
+    DynamicQuantizeLinear → DequantizeLinear, its weight s8 per channel), from ONE session: the graph
+    gets a switch per op (x + on·(QDQ(x) − x)) and its weights become overridable inputs, so each op
+    costs one run over the ranking batches instead of a quantizer pass and a new session."""
     import onnx
+    import onnxruntime as ort
     from onnx import helper, numpy_helper
+    from pipeline.variants.sensitivity import fake_quant_weight, output_error
     model = onnx.load(str(path))
-    weights = {i.name: i for i in model.graph.initializer}
-    weights.update({n.output[0]: a.t for n in model.graph.node if n.op_type == "Constant"
-                    for a in n.attribute if a.name == "value"})
-    nodes = {n.name: n for n in model.graph.node if n.name in set(ops)}
-    have = {o.name for o in model.graph.output}
-    probes = sorted({nodes[op].input[0] for op in nodes} - have)
-    model.graph.output.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in probes)
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    nodes = [n for n in g.node if n.name in set(ops) and n.input[1] in inits]
+    before, switch, weight_axis = {}, {}, {}
+    for i, n in enumerate(nodes):
+        x, t = n.input[0], f"_sens{i}_"
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        w = inits[n.input[1]]
+        weight_axis[n.name] = (0 if n.op_type == "Conv" or (n.op_type == "Gemm" and attrs.get("transB"))
+                               else len(w.dims) - 1)
+        switch[n.name] = t + "on"
+        g.initializer.append(numpy_helper.from_array(np.zeros((), np.float32), t + "on"))
+        before[n.name] = [
+            helper.make_node("DynamicQuantizeLinear", [x], [t + "q", t + "s", t + "z"]),
+            helper.make_node("DequantizeLinear", [t + "q", t + "s", t + "z"], [t + "dq"]),
+            helper.make_node("Sub", [t + "dq", x], [t + "d"]),
+            helper.make_node("Mul", [t + "d", t + "on"], [t + "dm"]),
+            helper.make_node("Add", [x, t + "dm"], [t + "x"])]
+        n.input[0] = t + "x"
+    # The switches and weights become graph inputs with defaults (ONNX "overridable initializers").
+    for name in list(switch.values()) + sorted({n.input[1] for n in nodes}):
+        i = inits.get(name)
+        g.input.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, list(i.dims) if i else []))
+    order = list(g.node)
+    del g.node[:]
+    g.node.extend(m for n in order for m in before.get(n.name, []) + [n])   # still topologically sorted
     probe = tmp / "probe.onnx"
     big = model.ByteSize() > 1_800_000_000       # protobuf's 2 GB limit
     onnx.save(model, str(probe), save_as_external_data=big, all_tensors_to_one_file=True, location="probe.onnx.data")
-    runner = _OrtRunner(probe)
-    names = [o.name for o in runner.session.get_outputs()]
-    runs = [dict(zip(names, runner.session.run(None, {n: f[n] for n in runner.names}))) for f in feeds]
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL   # overridden weights: fold nothing
+    session = ort.InferenceSession(str(probe), sess_options=so, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs() if i.name not in inits]
+    feeds = cal.feeds[:RANKING_BATCHES]
     errors: dict[str, float] = {}
-    for op, node in nodes.items():
-        xs = [torch.from_numpy(np.asarray(r[node.input[0]], np.float32)) for r in runs]
-        apply, w, axis = _op_math(node, torch.from_numpy(numpy_helper.to_array(weights[node.input[1]]).astype(np.float32)))
-        if apply is None:
-            errors[op] = float("inf")
-            continue
-        lo, hi = min(float(x.min()) for x in xs), max(float(x.max()) for x in xs)
-        errors[op] = float(np.mean([local_error(apply, x, w, axis if per_channel else None,
-                                                (lo, hi) if static else (float(x.min()), float(x.max())),
-                                                reduce_range) for x in xs]))
+    for n in nodes:
+        w = torch.from_numpy(numpy_helper.to_array(inits[n.input[1]]).astype(np.float32))
+        wq = fake_quant_weight(w, weight_axis[n.name] if per_channel else None, reduce_range).numpy()
+        got = [[np.asarray(o, np.float32) for o in session.run(None, {**{k: f[k] for k in names},
+                                                                      switch[n.name]: np.ones((), np.float32),
+                                                                      n.input[1]: wq})] for f in feeds]
+        errors[n.name] = output_error(got, cal.reference[:RANKING_BATCHES])
     return errors
-
-
-def _op_math(node, w: torch.Tensor):
-    """→ (apply(x, w), the weight as apply wants it, its output-channel axis) for MatMul/Gemm/Conv."""
-    import torch.nn.functional as F
-    from onnx import helper
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    if node.op_type == "MatMul":
-        return (lambda x, w: x @ w), w, w.dim() - 1
-    if node.op_type == "Gemm":
-        if attrs.get("transA"):
-            return None, w, None
-        w = w.T if attrs.get("transB") else w
-        return (lambda x, w: x @ w), w, 1
-    if node.op_type == "Conv" and attrs.get("auto_pad", b"NOTSET") in (b"NOTSET", "NOTSET") and 3 <= w.dim() <= 5:
-        dims = w.dim() - 2
-        conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
-        pads = list(attrs.get("pads", [0] * 2 * dims))
-        torch_pad = [p for i in reversed(range(dims)) for p in (pads[i], pads[i + dims])]
-
-        def apply(x, w):
-            return conv(F.pad(x, torch_pad), w, stride=attrs.get("strides", 1), dilation=attrs.get("dilations", 1),
-                        groups=attrs.get("group", 1))
-        return apply, w, 0
-    return None, w, None
 
 
 class _OrtRunner:
@@ -351,22 +348,25 @@ class TorchInt8Converter(Int8Mixin, TorchScriptConverter):
             return [run_reference(dataclasses.replace(loaded, module=module), f) for f in on.feeds]
 
         def op_errors(ops: list[str]) -> dict[str, float]:
-            """Each Linear's own int8 error on the inputs the eager model feeds it (one pass)."""
-            import torch.nn.functional as F
-            seen: dict[str, list] = {n: [] for n in ops}
+            """Each Linear's effect on the outputs when only it is int8 (input u8 per call, weight s8,
+            fake-quantized in the eager model): one forward pass per op, no copy of the model."""
+            from pipeline.variants.sensitivity import fake_quant_activation, fake_quant_weight, output_error
+            few = cal.feeds[:RANKING_BATCHES]
             mods = dict(loaded.module.named_modules())
-            hooks = [mods[n].register_forward_pre_hook(lambda m, a, n=n: seen[n].append(a[0].detach().float().cpu()))
-                     for n in ops]
-            try:
-                for f in cal.feeds[:RANKING_BATCHES]:
-                    run_reference(loaded, f)
-            finally:
-                for h in hooks:
-                    h.remove()
-            return {n: float(np.mean([local_error(F.linear, x, mods[n].weight.detach().float().cpu(),
-                                                  0 if self._q().per_channel else None,
-                                                  (float(x.min()), float(x.max())), False) for x in xs]))
-                    for n, xs in seen.items()}
+            axis = 0 if self._q().per_channel else None
+            errors = {}
+            for n in ops:
+                m = mods[n]
+                fp32_weight = m.weight.data
+                hook = m.register_forward_pre_hook(
+                    lambda _, a: (fake_quant_activation(a[0], float(a[0].min()), float(a[0].max()), False),) + a[1:])
+                try:
+                    m.weight.data = fake_quant_weight(fp32_weight, axis, False)
+                    errors[n] = output_error([run_reference(loaded, f) for f in few], cal.reference[:RANKING_BATCHES])
+                finally:
+                    m.weight.data = fp32_weight
+                    hook.remove()
+            return errors
 
         self._module, record = self.run_search(candidates, quantize, run, cal, op_errors)
         self._record = {"scheme": "dynamic", "engine": engine, "weight_type": "int8", "op_types": ["Linear"],

@@ -12,12 +12,12 @@ until the (margined) gate passes, then bisects back to the fewest that pass. It 
 is spent or `max_fp32_share` of the ops would be kept; then the last (most-kept) attempt is returned
 and the golden-set verification rejects it with its figures.
 
-Ranking, cheap by default (`op_errors`, ONE pass): each op's own output error when its input and
-weight are fake-quantized as int8 would (`local_error`: u8 per-tensor activations, s8 per-channel
-weights), on the activations the fp32 model really feeds it over the first RANKING_BATCHES
-calibration batches. Without `op_errors` (or for a scheme that quantizes more than an op's input and
-weight): each op quantized alone in the full model, run over the ranking batches. Either way full-
-model runs judge only the 1, 2, 4, ... attempts, over the whole calibration set.
+Ranking, cheap (`op_errors`, one model setup): the model's output error (mean 1 - cosine) when only
+that op is int8, SIMULATED — its input fake-quantized u8 per tensor per call, its weight s8 per
+channel — in one ORT session (switchable QDQ per op, overridable weights) or in the eager module
+(hooks), over the first RANKING_BATCHES calibration batches: one forward pass per op instead of a
+quantizer pass and a new session. Without `op_errors`: each op really quantized alone (slow). Real
+quantized models are built only for the 1, 2, 4, ... attempts, judged over the whole calibration set.
 
 `state` (a dict the converter keeps across its build methods) caches the ranking per candidate set
 and the time already spent, so a second build method neither re-ranks nor gets a second budget.
@@ -98,17 +98,6 @@ def fake_quant_weight(w: torch.Tensor, axis: Optional[int], reduce_range: bool) 
         amax = w.abs().amax(dim=[d for d in range(w.dim()) if d != axis % w.dim()], keepdim=True)
     scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
     return torch.clamp(torch.round(w / scale), -qmax, qmax) * scale
-
-
-def local_error(apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, w: torch.Tensor,
-                channel_axis: Optional[int], act_range: tuple[float, float], reduce_range: bool) -> float:
-    """Mean over samples of 1 - cosine between the op's fp32 output and its output with the input
-    and weight fake-quantized: how much int8 moves what this op alone computes."""
-    with torch.no_grad():
-        y = apply(x, w)
-        yq = apply(fake_quant_activation(x, *act_range, reduce_range), fake_quant_weight(w, channel_axis, reduce_range))
-    rows = y.shape[0] if y.dim() > 1 else 1
-    return float(np.mean(1.0 - row_cosines(yq.reshape(rows, -1).double().numpy(), y.reshape(rows, -1).double().numpy())))
 
 
 def _figures(v) -> dict:
@@ -200,7 +189,7 @@ def _rank(candidates, quantize, run, cal, t0, budget_s, op_errors):
         measured = sorted(errors.items(), key=lambda e: -e[1])
         seen = set(errors)
         return ([op for op, _ in measured] + [op for op in candidates if op not in seen], measured,
-                f"each op's own output error with its input and weight fake-quantized, one pass over "
+                f"the model's output error with only that op fake-quantized (u8 input per call, s8 weight), over "
                 f"{min(RANKING_BATCHES, len(cal.feeds))} calibration batch(es)")
     ranked, measured = _sensitivities(candidates, quantize, run, cal, t0, budget_s)
     return ranked, measured, (f"the full model with only that op quantized, over "
