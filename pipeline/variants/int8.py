@@ -158,7 +158,8 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
                 return [runner.run(f) for f in on.feeds]
 
             def op_errors(ops: list[str]) -> dict[str, float]:
-                return onnx_op_errors(fp32, ops, cal, tmp, self._q().reduce_range, self._q().per_channel)
+                return onnx_op_errors(fp32, ops, cal, tmp, self._q().reduce_range, self._q().per_channel,
+                                      static=self.scheme != "dynamic")
 
             chosen, record = self.run_search(candidates, quantize, run, cal, op_errors)
             q = self._q()
@@ -221,11 +222,12 @@ def weight_nodes(path: Path) -> list[str]:
 
 
 def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, tmp: Path, reduce_range: bool,
-                   per_channel: bool) -> dict[str, float]:
+                   per_channel: bool, static: bool) -> dict[str, float]:
     """Each op's effect on the model's outputs when only it is int8 (fake-quantized: its input through
-    DynamicQuantizeLinear → DequantizeLinear, its weight s8 per channel), from ONE session: the graph
-    gets a switch per op (x + on·(QDQ(x) − x)) and its weights become overridable inputs, so each op
-    costs one run over the ranking batches instead of a quantizer pass and a new session."""
+    u8 QDQ — DynamicQuantizeLinear, or for `static` QuantizeLinear over the input's min/max on the
+    ranking batches — and its weight s8 per channel), from ONE session: the graph gets a switch per op
+    (x + on·(QDQ(x) − x)) and its weights become overridable inputs, so each op costs one run over the
+    ranking batches instead of a quantizer pass and a new session."""
     import onnx
     import onnxruntime as ort
     from onnx import helper, numpy_helper
@@ -234,7 +236,8 @@ def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, tmp: Path, redu
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     nodes = [n for n in g.node if n.name in set(ops) and n.input[1] in inits]
-    before, switch, weight_axis = {}, {}, {}
+    before, switch, weight_axis, overridable = {}, {}, {}, []
+    outputs = [o.name for o in g.output]
     for i, n in enumerate(nodes):
         x, t = n.input[0], f"_sens{i}_"
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
@@ -243,17 +246,26 @@ def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, tmp: Path, redu
                                else len(w.dims) - 1)
         switch[n.name] = t + "on"
         g.initializer.append(numpy_helper.from_array(np.zeros((), np.float32), t + "on"))
-        before[n.name] = [
-            helper.make_node("DynamicQuantizeLinear", [x], [t + "q", t + "s", t + "z"]),
+        if static:      # the scale/zero point are fed per run, from the ranges measured first
+            g.initializer.extend([numpy_helper.from_array(np.ones((), np.float32), t + "s"),
+                                  numpy_helper.from_array(np.zeros((), np.uint8), t + "z")])
+            overridable += [(t + "s", onnx.TensorProto.FLOAT), (t + "z", onnx.TensorProto.UINT8)]
+            qdq_in = [helper.make_node("QuantizeLinear", [x, t + "s", t + "z"], [t + "q"])]
+        else:
+            qdq_in = [helper.make_node("DynamicQuantizeLinear", [x], [t + "q", t + "s", t + "z"])]
+        before[n.name] = qdq_in + [
             helper.make_node("DequantizeLinear", [t + "q", t + "s", t + "z"], [t + "dq"]),
             helper.make_node("Sub", [t + "dq", x], [t + "d"]),
             helper.make_node("Mul", [t + "d", t + "on"], [t + "dm"]),
             helper.make_node("Add", [x, t + "dm"], [t + "x"])]
         n.input[0] = t + "x"
     # The switches and weights become graph inputs with defaults (ONNX "overridable initializers").
-    for name in list(switch.values()) + sorted({n.input[1] for n in nodes}):
+    overridable += [(name, onnx.TensorProto.FLOAT) for name in switch.values()]
+    for name, elem in overridable + [(w, onnx.TensorProto.FLOAT) for w in sorted({n.input[1] for n in nodes})]:
         i = inits.get(name)
-        g.input.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, list(i.dims) if i else []))
+        g.input.append(helper.make_tensor_value_info(name, elem, list(i.dims) if i else []))
+    if static:          # each op's fp32 input, to measure its range
+        g.output.extend(helper.make_tensor_value_info(n.input[0], onnx.TensorProto.FLOAT, None) for n in nodes)
     order = list(g.node)
     del g.node[:]
     g.node.extend(m for n in order for m in before.get(n.name, []) + [n])   # still topologically sorted
@@ -264,15 +276,27 @@ def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, tmp: Path, redu
     so.log_severity_level = 3
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL   # overridden weights: fold nothing
     session = ort.InferenceSession(str(probe), sess_options=so, providers=["CPUExecutionProvider"])
-    names = [i.name for i in session.get_inputs() if i.name not in inits]
-    feeds = cal.feeds[:RANKING_BATCHES]
+    defaults = {i.name for i in model.graph.initializer}
+    names = [i.name for i in session.get_inputs() if i.name not in defaults]
+    feeds = [{k: f[k] for k in names} for f in cal.feeds[:RANKING_BATCHES]]
+    qparams: dict[str, dict] = {n.name: {} for n in nodes}
+    if static:          # minmax ranges → u8 scale/zero point (as ORT's MinMax calibration)
+        runs = [session.run([n.input[0] for n in nodes], f) for f in feeds]
+        levels = 127 if reduce_range else 255
+        for j, n in enumerate(nodes):
+            lo = min(0.0, min(float(r[j].min()) for r in runs))
+            hi = max(0.0, max(float(r[j].max()) for r in runs))
+            scale = (hi - lo) / levels or 1.0
+            t = switch[n.name][:-2]
+            qparams[n.name] = {t + "s": np.asarray(scale, np.float32),
+                               t + "z": np.asarray(min(levels, max(0, round(-lo / scale))), np.uint8)}
     errors: dict[str, float] = {}
     for n in nodes:
         w = torch.from_numpy(numpy_helper.to_array(inits[n.input[1]]).astype(np.float32))
         wq = fake_quant_weight(w, weight_axis[n.name] if per_channel else None, reduce_range).numpy()
-        got = [[np.asarray(o, np.float32) for o in session.run(None, {**{k: f[k] for k in names},
-                                                                      switch[n.name]: np.ones((), np.float32),
-                                                                      n.input[1]: wq})] for f in feeds]
+        got = [[np.asarray(o, np.float32) for o in session.run(outputs, {**f, **qparams[n.name], n.input[1]: wq,
+                                                                         switch[n.name]: np.ones((), np.float32)})]
+               for f in feeds]
         errors[n.name] = output_error(got, cal.reference[:RANKING_BATCHES])
     return errors
 

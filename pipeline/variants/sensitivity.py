@@ -73,7 +73,7 @@ def judge(cal: Calibration, got: Outputs, tol: Tolerance, min_topk_agreement: fl
 
 def with_margin(tol: Tolerance) -> Tolerance:
     """The gate the search must pass on the calibration set: stricter than the golden gate by MARGIN."""
-    up = lambda t: t + MARGIN * (1.0 - t)  # noqa: E731
+    up = lambda t: round(t + MARGIN * (1.0 - t), 9)  # noqa: E731
     return dataclasses.replace(tol, atol=tol.atol * (1 - MARGIN), rtol=tol.rtol * (1 - MARGIN),
                                min_cosine=up(tol.min_cosine), min_recall_at_k=up(tol.min_recall_at_k),
                                min_top1_agreement=up(tol.min_top1_agreement),
