@@ -151,7 +151,7 @@ def outlier_models(tmp_path_factory):
     return out
 
 
-def _convert(variant, outlier, outlier_models, make_params, tmp_path, **int8):
+def _convert(variant, outlier, outlier_models, make_params, tmp_path, conversion=None, **int8):
     from pipeline.checkpoint import load_model
     from pipeline.golden import write_golden
     from pipeline.variants import get_converter
@@ -160,7 +160,8 @@ def _convert(variant, outlier, outlier_models, make_params, tmp_path, **int8):
     factory, ckpt = outlier_models[outlier]
     params = make_params({"name": "mlp", "source": "state_dict", "checkpoint": str(ckpt), "factory": factory,
                           "factory_kwargs": {"outlier": outlier}, "task": "tensor", "input_shape": [4, 16]},
-                         variants=["eager", variant], conversion={"int8": {"calibration_samples": 32, **int8}})
+                         variants=["eager", variant],
+                         conversion={"int8": {"calibration_samples": 32, **int8}, **(conversion or {})})
     loaded = load_model(params)
     golden = write_golden(params, loaded, tmp_path / "golden")
     converter = get_converter(variant).from_params(params)
@@ -210,6 +211,37 @@ def test_sensitivity_fallback_keeps_the_outlier_consumer_fp32(variant, outlier_m
     assert q["fp32_ops"] == expected, q
     assert [s["op"] for s in q["sensitivity"]["most_sensitive"][:len(expected)]] == expected
     assert json.loads((out / "variant.json").read_text())["quantization"]["fp32_ops"] == q["fp32_ops"]
+
+
+# --------------------------------------------------------------------------- external data (big models)
+# The MLP's fp32 weights are 23 KB: a 0 MB threshold puts every form in external data; 0.02 MB keeps the
+# fp32 graph external while its int8 result (~6 KB of weights) is small enough for one file again.
+@pytest.mark.parametrize("variant", ["onnx-int8-dynamic", "onnx-int8-static"])
+@pytest.mark.parametrize("outlier,threshold_mb,int8_external", [(1000.0, 0, True), (0.0, 0.02, False)],
+                         ids=["sensitivity-external", "whole-one-file"])
+def test_external_data_model_quantizes_and_loads_from_its_folder(variant, outlier, threshold_mb, int8_external,
+                                                                  outlier_models, make_params, tmp_path):
+    from handlers.runtime import load_runtime
+    record, out, golden = _convert(variant, outlier, outlier_models, make_params, tmp_path,
+                                   conversion={"onnx_external_data_mb": threshold_mb}, max_fp32_share=0.7)
+    assert record["status"] == "converted", record["reason"]
+    q = record["quantization"]
+    assert q["source_external_data"] is True and q["external_data"] is int8_external
+    assert q["whole_model"]["passed"] is (outlier == 0.0)        # the outlier case ran the search on external data
+    assert int8_external is (q["quantized_bytes"] >= threshold_mb * 10**6)
+    meta = json.loads((out / "variant.json").read_text())
+    listed = ["model.onnx.data"] if int8_external else []
+    assert meta["external_data"] == listed and (out / "model.onnx.data").exists() is int8_external
+    assert set(listed) <= set(meta["files"])
+    files = sorted(p.name for p in out.iterdir() if p.name not in ("conversion.json", "variant.json"))
+    assert files == sorted(["model.onnx"] + listed)             # no quantizer temporaries left beside it
+    moved = tmp_path / "elsewhere"
+    shutil.move(str(out), moved)
+    rt = load_runtime(moved)
+    got = rt.run(golden.batches[-1].feeds)[0]
+    rt.close()
+    ref = golden.batches[-1].outputs[0]
+    assert np.abs(got - ref).max() <= 0.05 + 0.1 * np.abs(ref).max()
 
 
 # --------------------------------------------------------------------------- served in TorchServe

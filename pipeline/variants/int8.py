@@ -42,7 +42,7 @@ import torch
 
 from pipeline.params import Int8Params, Params, Tolerance, _default_tolerances
 from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, register
-from pipeline.variants.onnx import OnnxConverter
+from pipeline.variants.onnx import OnnxConverter, onnx_bytes
 from pipeline.variants.sensitivity import RANKING_BATCHES, Calibration, search
 from pipeline.variants.torchscript import TorchScriptConverter
 
@@ -130,7 +130,7 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
         artifact.extra["quantization"] = self._record
         return artifact
 
-    def _optimize(self, ctx: BuildContext, raw: Path, final: Path) -> None:
+    def _optimize(self, ctx: BuildContext, raw: Path, final: Path, external: Optional[bool] = None) -> bool:
         with tempfile.TemporaryDirectory(prefix="int8-", dir=ctx.out_dir) as tmp:
             tmp = Path(tmp)
             fp32 = tmp / "fp32.onnx"
@@ -140,7 +140,7 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
             configured = self.options
             self.options = dataclasses.replace(configured, graph_optimization="basic")
             try:
-                super()._optimize(ctx, raw, fp32)
+                fp32_external = super()._optimize(ctx, raw, fp32)   # fp32.onnx(.data): as the export
             finally:
                 self.options = configured
             cal = self.calibration(ctx, _OrtRunner(fp32).run)
@@ -150,7 +150,8 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
             def quantize(exclude: list[str], only: Optional[list[str]]) -> Path:
                 counter[0] += 1
                 out = tmp / f"q{counter[0]}.onnx"
-                self._quantize(fp32, out, cal, tmp, nodes=only or candidates, exclude=exclude)
+                self._quantize(fp32, out, cal, tmp, nodes=only or candidates, exclude=exclude,
+                               external=fp32_external)
                 return out
 
             def run(path: Path, on: Calibration):
@@ -158,14 +159,20 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
                 return [runner.run(f) for f in on.feeds]
 
             def op_errors(ops: list[str]) -> dict[str, float]:
-                return onnx_op_errors(fp32, ops, cal, tmp, self._q().reduce_range, self._q().per_channel,
+                return onnx_op_errors(fp32, ops, cal, self._q().reduce_range, self._q().per_channel,
                                       static=self.scheme != "dynamic")
 
             chosen, record = self.run_search(candidates, quantize, run, cal, op_errors)
             q = self._q()
             self._record.update(scheme=self.scheme, per_channel=q.per_channel, reduce_range=q.reduce_range,
                                 weight_type="int8", op_types=list(QUANTIZABLE_OPS), **self._scheme_record(), **record)
-            super()._optimize(ctx, chosen, final)
+            # int8 weights are ~4x smaller than the fp32 ones the export was sized by: the artifact's form
+            # follows its own size (a 2.5 GB fp32 model's int8 artifact can be one file again).
+            int8_bytes = onnx_bytes(chosen)
+            external = int8_bytes >= self.options.external_data_min_bytes
+            self._record.update(source_external_data=fp32_external, quantized_bytes=int8_bytes,
+                                external_data=external)
+            return super()._optimize(ctx, chosen, final, external)
 
     def _scheme_record(self) -> dict:
         return {}
@@ -176,12 +183,13 @@ class OnnxInt8DynamicConverter(_OnnxInt8):
     name = "onnx-int8-dynamic"
     scheme = "dynamic"
 
-    def _quantize(self, src, dst, cal, tmp, nodes, exclude):
+    def _quantize(self, src, dst, cal, tmp, nodes, exclude, external):
         from onnxruntime.quantization import QuantType, quantize_dynamic
         q = self._q()
         quantize_dynamic(str(src), str(dst), op_types_to_quantize=list(QUANTIZABLE_OPS), per_channel=q.per_channel,
                          reduce_range=q.reduce_range, weight_type=QuantType.QInt8, nodes_to_quantize=list(nodes),
-                         nodes_to_exclude=list(exclude), extra_options={"MatMulConstBOnly": True, **UNTYPED_AS_FLOAT})
+                         nodes_to_exclude=list(exclude), use_external_data_format=external,
+                         extra_options={"MatMulConstBOnly": True, **UNTYPED_AS_FLOAT})
 
 
 @register
@@ -194,7 +202,7 @@ class OnnxInt8StaticConverter(_OnnxInt8):
         return {"calibration": self._q().calibration, "calibration_samples": self._q().calibration_samples,
                 "activation_type": "uint8"}
 
-    def _quantize(self, src, dst, cal, tmp, nodes, exclude):
+    def _quantize(self, src, dst, cal, tmp, nodes, exclude, external):
         from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
         q = self._q()
         # The ranges are measured once (the first call) and reused by every sensitivity attempt.
@@ -203,7 +211,7 @@ class OnnxInt8StaticConverter(_OnnxInt8):
                         reduce_range=q.reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                         nodes_to_quantize=list(nodes), nodes_to_exclude=list(exclude),
                         calibrate_method=getattr(CalibrationMethod, self.METHODS[q.calibration]),
-                        calibration_cache_path=tmp / "calibration.json",
+                        calibration_cache_path=tmp / "calibration.json", use_external_data_format=external,
                         extra_options={"MatMulConstBOnly": True, "WeightSymmetric": True,
                                        "ActivationSymmetric": False, **UNTYPED_AS_FLOAT,
                                        # A MatMul weight is (in, out): its output channels are axis 1.
@@ -221,7 +229,7 @@ def weight_nodes(path: Path) -> list[str]:
             if n.op_type in QUANTIZABLE_OPS and len(n.input) > 1 and n.input[1] in consts and n.name]
 
 
-def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, tmp: Path, reduce_range: bool,
+def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, reduce_range: bool,
                    per_channel: bool, static: bool) -> dict[str, float]:
     """Each op's effect on the model's outputs when only it is int8 (fake-quantized: its input through
     u8 QDQ — DynamicQuantizeLinear, or for `static` QuantizeLinear over the input's min/max on the
@@ -232,7 +240,9 @@ def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, tmp: Path, redu
     import onnxruntime as ort
     from onnx import helper, numpy_helper
     from pipeline.variants.sensitivity import fake_quant_weight, output_error
-    model = onnx.load(str(path))
+    # The graph only: external tensors stay in their data file beside `path` (the probe is written
+    # beside it, so its references still resolve); the weights ranked are read one at a time.
+    model = onnx.load(str(path), load_external_data=False)
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     nodes = [n for n in g.node if n.name in set(ops) and n.input[1] in inits]
@@ -269,9 +279,8 @@ def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, tmp: Path, redu
     order = list(g.node)
     del g.node[:]
     g.node.extend(m for n in order for m in before.get(n.name, []) + [n])   # still topologically sorted
-    probe = tmp / "probe.onnx"
-    big = model.ByteSize() > 1_800_000_000       # protobuf's 2 GB limit
-    onnx.save(model, str(probe), save_as_external_data=big, all_tensors_to_one_file=True, location="probe.onnx.data")
+    probe = path.with_name("probe.onnx")
+    onnx.save(model, str(probe))
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL   # overridden weights: fold nothing
@@ -292,7 +301,7 @@ def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, tmp: Path, redu
                                t + "z": np.asarray(min(levels, max(0, round(-lo / scale))), np.uint8)}
     errors: dict[str, float] = {}
     for n in nodes:
-        w = torch.from_numpy(numpy_helper.to_array(inits[n.input[1]]).astype(np.float32))
+        w = torch.from_numpy(numpy_helper.to_array(inits[n.input[1]], base_dir=str(path.parent)).astype(np.float32))
         wq = fake_quant_weight(w, weight_axis[n.name] if per_channel else None, reduce_range).numpy()
         got = [[np.asarray(o, np.float32) for o in session.run(outputs, {**f, **qparams[n.name], n.input[1]: wq,
                                                                          switch[n.name]: np.ones((), np.float32)})]

@@ -78,7 +78,7 @@ class OnnxConverter(Converter):
         try:
             self._export(ctx, raw, dynamo, external)
             self._transform(raw)
-            self._optimize(ctx, raw, final)
+            external = self._optimize(ctx, raw, final)     # the artifact's own form (int8 decides by its size)
         finally:
             shutil.rmtree(raw_dir, ignore_errors=True)
         inputs = {s.name: s.dtype for s in ctx.loaded.inputs}   # float32 stays float32 at the boundary
@@ -118,8 +118,9 @@ class OnnxConverter(Converter):
     def _transform(self, path: Path) -> None:
         """Hook for subclasses (fp16); the fp32 variant keeps the exported graph."""
 
-    def _optimize(self, ctx: BuildContext, raw: Path, final: Path) -> None:
-        """ORT's optimised graph of `raw` into `final`, in the same form (external data or not)."""
+    def _optimize(self, ctx: BuildContext, raw: Path, final: Path, external: Optional[bool] = None) -> bool:
+        """ORT's optimised graph of `raw` into `final`, with its tensors in `final`'s data file when
+        `external` (default: the form of `raw`); returns whether they are."""
         import onnxruntime as ort
         levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
                   "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED}
@@ -127,7 +128,11 @@ class OnnxConverter(Converter):
         so.graph_optimization_level = levels[self.options.graph_optimization]
         so.optimized_model_filepath = str(final)
         so.log_severity_level = 3
-        if data_file(raw).exists():
+        external = data_file(raw).exists() if external is None else external
+        if not external and data_file(raw).exists():
+            # ORT would keep the initialisers it does not touch as references into raw's data file.
+            _internalize(raw)
+        if external:
             # Written beside `final` under this (relative) name; small tensors stay in the graph.
             so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
                                         final.name + DATA_SUFFIX)
@@ -138,6 +143,7 @@ class OnnxConverter(Converter):
         del session
         if not final.is_file():
             raise RuntimeError(f"ONNX Runtime did not write the optimised model {final}")
+        return external
 
 
 @register
@@ -158,6 +164,19 @@ class OnnxFloat16Converter(OnnxConverter):
 def data_file(model_path: Path) -> Path:
     """The external data file of `model_path` in this module's convention (model.onnx.data)."""
     return model_path.with_name(model_path.name + DATA_SUFFIX)
+
+
+def onnx_bytes(model_path: Path) -> int:
+    """Bytes of a model on disk: the graph file and its external data file, if any."""
+    data = data_file(model_path)
+    return model_path.stat().st_size + (data.stat().st_size if data.exists() else 0)
+
+
+def _internalize(path: Path) -> None:
+    """Rewrite `path` as one file, its external tensors inside (it must fit protobuf's 2 GB)."""
+    import onnx
+    onnx.save(_load(path), str(path))
+    data_file(path).unlink()
 
 
 def _load(path: Path):
