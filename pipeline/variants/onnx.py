@@ -101,6 +101,7 @@ class OnnxConverter(Converter):
                                   input_names=names_in, output_names=list(loaded.outputs),
                                   dynamic_shapes=ctx.dynamic_shapes(), opset_version=self.options.opset,
                                   verbose=False)
+                _rename_shadowed_outputs(path)
             else:
                 axes = {s.name: {int(a): n for a, n in s.dynamic_axes.items()} for s in loaded.inputs}
                 axes.update({o: {0: "batch"} for o in loaded.outputs})
@@ -170,6 +171,31 @@ def onnx_bytes(model_path: Path) -> int:
     """Bytes of a model on disk: the graph file and its external data file, if any."""
     data = data_file(model_path)
     return model_path.stat().st_size + (data.stat().st_size if data.exists() else 0)
+
+
+def _rename_shadowed_outputs(path: Path) -> None:
+    """The dynamo exporter names values after their op (aten.embedding → "embedding"); a graph output
+    of the same name then has two definitions, which ONNX Runtime refuses ("Duplicate definition of
+    name") — every text model fell back to the legacy exporter, whose in-memory proto peaks at ~3
+    extra copies of the weights. The earlier definitions are renamed (with their consumers); the
+    graph output keeps its name. Only the graph is rewritten: external data stays where it is."""
+    import onnx
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    outputs = {o.name for o in g.output}
+    last = {o: i for i, n in enumerate(g.node) for o in n.output}
+    if not any(o in outputs and last[o] != i for i, n in enumerate(g.node) for o in n.output):
+        return
+    rename: dict[str, str] = {}
+    for i, n in enumerate(g.node):
+        for j, x in enumerate(n.input):
+            n.input[j] = rename.get(x, x)
+        for j, o in enumerate(n.output):
+            if o in outputs and last[o] != i:
+                rename[o] = n.output[j] = f"{o}__shadowed{i}"
+            else:
+                rename.pop(o, None)
+    onnx.save(model, str(path))
 
 
 def _internalize(path: Path) -> None:
