@@ -246,6 +246,18 @@ def decide(results: list[CandidateResult], *, objective: str, slo_ms: float, min
         steps.append(f"no candidate's served p99 is within the SLO {slo_ms:g} ms; lowest p99: {best.candidate.name} "
                      f"({best.p99:.1f} ms, {gain:.1%} below {incumbent.candidate.name}, noise band {band:.1%}): "
                      f"{chosen.candidate.name} is served")
+        if key == "throughput_rps":
+            # Replicas will be needed anyway: a point that serves more beyond the noise without a worse
+            # p99 (beyond the noise) needs fewer of them, so it is taken.
+            no_worse = [r for r in served if r is not chosen
+                        and r.p99 <= chosen.p99 * (1 + noise_band(r, chosen, "p99_ms", min_gain))
+                        and better(r, chosen)[0]]
+            if no_worse:
+                top = max(no_worse, key=lambda r: r.throughput)
+                _, tp_gain, tp_band = better(top, chosen)
+                steps.append(f"{top.candidate.name}: throughput {tp_gain:+.1%} vs {chosen.candidate.name} beyond the "
+                             f"noise band {tp_band:.1%}, p99 {top.p99:.1f} ms not worse beyond the noise: taken")
+                chosen = top
     else:
         chosen = incumbent if incumbent in fits else None
         if chosen is None:
