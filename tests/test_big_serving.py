@@ -205,29 +205,15 @@ def test_worker_missing_a_too_short_startup_timeout_is_reported_with_the_timeout
     """A load of 60 s against startupTimeout 2 s (an override replacing the derived 71 s): the stage
     fails at TorchServe's first kill, not after minutes of retries, and says what was needed."""
     import stages.serve_check as stage
+    from tests.test_serve_check import serve_check_inputs
     from tests.test_torchserve import build_mar
 
     store, serve, golden = tmp_path / "model_store", tmp_path / "serve", tmp_path / "golden"
     build_mar(store, "slow", {"minWorkers": 1, "maxWorkers": 1, "startupTimeout": 2, "responseTimeout": 5,
                               "handler": {"init_sleep_s": 60, "length": 3}})
-    serve.mkdir()
-    (serve / "config.properties").write_text("default_workers_per_model=1\n")
-    (serve / "derivation.json").write_text(json.dumps({"startup_timeout_s": {
+    out = serve_check_inputs(tmp_path, monkeypatch, "slow", store, serve, golden, derivation={"startup_timeout_s": {
         "value": 2, "overridden": True, "derived_value": 71, "formula": "test",
-        "inputs": {"cold_load_max_ms": 60300.0, "cold_load_median_ms": 60100.0}}}))
-    golden.mkdir()
-    (golden / "http_cases.json").write_text(json.dumps(
-        [{"id": "c0", "content_type": "application/json", "body": "[1, 2, 3]", "expected": [2, 4, 6]}]))
-    params = tmp_path / "params.yaml"
-    params.write_text(json.dumps({
-        "model": {"name": "slow", "source": "state_dict", "checkpoint": "unused.pt",
-                  "factory": "unused.py:build", "task": "tensor", "input_shape": [3]},
-        "serve_check": {"requests": 4, "concurrency": 2, "baseline": False}}))
-    out = tmp_path / "serve_check.json"
-    monkeypatch.setenv("PIPELINE_PARAMS", str(params))
-    for name, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("GOLDEN_DIR", golden),
-                        ("SERVE_CHECK_JSON", out)):
-        monkeypatch.setattr(stage, name, value)
+        "inputs": {"cold_load_max_ms": 60300.0, "cold_load_median_ms": 60100.0}}})
     t0 = time.monotonic()
     assert stage.main([]) == 1
     elapsed = time.monotonic() - t0

@@ -217,21 +217,7 @@ def test_stage_fails_when_the_model_never_becomes_ready(tmp_path, monkeypatch):
     store, serve, golden = tmp_path / "model_store", tmp_path / "serve", tmp_path / "golden"
     build_mar(store, "double", {"minWorkers": 1, "maxWorkers": 1, "startupTimeout": 30, "responseTimeout": 5,
                                 "handler": {"fail_on_load": True}})
-    serve.mkdir()
-    (serve / "config.properties").write_text("default_workers_per_model=1\n")
-    golden.mkdir()
-    (golden / "http_cases.json").write_text(json.dumps(
-        [{"id": "c0", "content_type": "application/json", "body": "[1, 2, 3]", "expected": [2, 4, 6]}]))
-    params = tmp_path / "params.yaml"
-    params.write_text(json.dumps({
-        "model": {"name": "double", "source": "state_dict", "checkpoint": "unused.pt",
-                  "factory": "unused.py:build", "task": "tensor", "input_shape": [3]},
-        "serve_check": {"requests": 4, "concurrency": 2, "baseline": False}}))
-    out = tmp_path / "serve_check.json"
-    monkeypatch.setenv("PIPELINE_PARAMS", str(params))
-    for name, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("GOLDEN_DIR", golden),
-                        ("SERVE_CHECK_JSON", out)):
-        monkeypatch.setattr(stage, name, value)
+    out = serve_check_inputs(tmp_path, monkeypatch, "double", store, serve, golden)
     assert stage.main([]) == 1
     rec = json.loads(out.read_text())
     assert not rec["ok"] and not rec["ready"]
@@ -280,3 +266,27 @@ def test_stage_end_to_end_on_real_handlers_and_archive(tmp_path, monkeypatch, te
     assert all(400 <= s < 500 for s in rec["bad_inputs"].values()), rec["bad_inputs"]
     assert rec["baseline"]["ready"] and rec["baseline"]["requests_ok"] == 32
     assert all(rec["ratios"][k] > 0 for k in ("load", "throughput", "p99"))
+
+
+def serve_check_inputs(tmp_path, monkeypatch, name: str, store, serve, golden, derivation: dict | None = None):
+    """The serve_check stage's inputs around an already built .mar of a tensor model (one golden
+    case, no baseline), its module paths pointed at them; returns where the record will be written."""
+    import stages.serve_check as stage
+    serve.mkdir()
+    (serve / "config.properties").write_text("default_workers_per_model=1\n")
+    if derivation is not None:
+        (serve / "derivation.json").write_text(json.dumps(derivation))
+    golden.mkdir()
+    (golden / "http_cases.json").write_text(json.dumps(
+        [{"id": "c0", "content_type": "application/json", "body": "[1, 2, 3]", "expected": [2, 4, 6]}]))
+    params = tmp_path / "params.yaml"
+    params.write_text(json.dumps({
+        "model": {"name": name, "source": "state_dict", "checkpoint": "unused.pt",
+                  "factory": "unused.py:build", "task": "tensor", "input_shape": [3]},
+        "serve_check": {"requests": 4, "concurrency": 2, "baseline": False}}))
+    out = tmp_path / "serve_check.json"
+    monkeypatch.setenv("PIPELINE_PARAMS", str(params))
+    for attr, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("GOLDEN_DIR", golden),
+                        ("SERVE_CHECK_JSON", out)):
+        monkeypatch.setattr(stage, attr, value)
+    return out
