@@ -44,7 +44,32 @@ def parse_cpuinfo(text: str) -> dict:
     return {"model": model, "flags": flags, "physical_cores": len(cores) or None}
 
 
-def cpu_description(cpuinfo_text: Optional[str] = None) -> dict:
+# Register state the OS must save for these flags to be usable: a listed flag is unusable when the
+# OS (or a hypervisor) leaves the state off in XCR0, and then every library falls back to AVX2.
+OS_STATE_GATED = ("avx512", "amx_")
+
+
+def usable_cpu_features() -> Optional[dict]:
+    """numpy's runtime dispatch table: cpuid AND the OS's XCR0, as every kernel library checks it.
+    None when numpy does not expose it."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__
+    except ImportError:
+        return None
+    return dict(__cpu_features__)
+
+
+def os_disabled_flags(listed: set, features: Optional[dict]) -> list[str]:
+    """ISA flags that /proc/cpuinfo lists but the OS does not let a process use. AVX-512 and AMX
+    need the ZMM/tile state enabled; a CPU listing avx512f whose AVX512F numpy cannot use has that
+    state off, so none of the avx512*/amx* flags are usable (ONNX Runtime's MLAS, oneDNN and
+    cpuinfo all run their AVX2 kernels then)."""
+    if not features or "avx512f" not in listed or features.get("AVX512F", True):
+        return []
+    return sorted(f for f in ISA_FLAGS if f in listed and f.startswith(OS_STATE_GATED))
+
+
+def cpu_description(cpuinfo_text: Optional[str] = None, features: Optional[dict] = None) -> dict:
     if cpuinfo_text is None:
         try:
             cpuinfo_text = Path("/proc/cpuinfo").read_text()
@@ -56,14 +81,19 @@ def cpu_description(cpuinfo_text: Optional[str] = None) -> dict:
         import psutil
         physical = psutil.cpu_count(logical=False)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
+    disabled = os_disabled_flags(info["flags"], usable_cpu_features() if features is None else features)
+    description = {
         "model": info["model"] or platform.processor() or None,
         "arch": platform.machine(),
         "physical_cores": physical,
         "logical_cores": os.cpu_count(),
         "usable_cpus": usable,          # affinity mask / container limit: what this process may use
-        "isa": {flag: flag in info["flags"] for flag in ISA_FLAGS},
+        # what the kernels can use: listed by the CPU and enabled by the OS
+        "isa": {flag: flag in info["flags"] and flag not in disabled for flag in ISA_FLAGS},
     }
+    if disabled:
+        description["isa_disabled_by_os"] = disabled
+    return description
 
 
 def memory_mb() -> int:

@@ -540,6 +540,8 @@ def build_blocks(inputs: ReportInputs, images: dict[str, Path]) -> list[Block]:
         erows = [["device", env.get("device")], ["CPU", cpu.get("model")],
                  ["cores (physical / logical)", f"{_fmt(cpu.get('physical_cores'))} / {_fmt(cpu.get('logical_cores'))}"],
                  ["ISA", ", ".join(k for k, v in isa.items() if v) or "–"],
+                 *([["ISA listed but off in the OS", ", ".join(cpu["isa_disabled_by_os"])]]
+                   if cpu.get("isa_disabled_by_os") else []),
                  ["memory (MB)", env.get("memory_mb")],
                  ["GPU", "none" if not gpu else f"{gpu.get('name')} ({_fmt(gpu.get('memory_mb'))} MB, "
                                                 f"driver {_fmt(gpu.get('driver'))}, CUDA {_fmt(gpu.get('cuda'))})"],

@@ -36,10 +36,19 @@ def test_parse_cpuinfo_model_flags_and_physical_cores():
 
 
 def test_cpu_description_from_text():
-    cpu = cpu_description(CPUINFO)
+    cpu = cpu_description(CPUINFO, features={"AVX2": True, "AVX512F": True})
     assert cpu["isa"]["amx_bf16"] is True and cpu["isa"]["avx_vnni"] is False
-    assert set(cpu["isa"]) == set(ISA_FLAGS)
+    assert set(cpu["isa"]) == set(ISA_FLAGS) and "isa_disabled_by_os" not in cpu
     assert cpu["physical_cores"] == 2 and cpu["usable_cpus"] >= 1 and cpu["logical_cores"] >= 1
+
+
+def test_avx512_listed_but_off_in_the_os_is_not_usable():
+    # The CPU lists AVX-512 and AMX, but the OS leaves their register state off (numpy, like every
+    # kernel library, checks XCR0): the kernels run AVX2, so the plan must not count on bf16/fp16.
+    cpu = cpu_description(CPUINFO, features={"AVX2": True, "AVX512F": False})
+    assert cpu["isa"]["avx2"] is True and cpu["isa"]["fma"] is True
+    assert not any(cpu["isa"][f] for f in ("avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"))
+    assert cpu["isa_disabled_by_os"] == ["amx_bf16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f"]
 
 
 def test_fingerprint_is_stable_and_json_serialisable():
