@@ -94,7 +94,8 @@ class Int8Params:
     calibration: Literal["minmax", "entropy", "percentile"] = "minmax"   # onnx-int8-static's range method
     calibration_samples: int = 64              # representative requests (task's example distribution, own seed)
     per_channel: bool = True                   # per-output-channel weight scales
-    reduce_range: bool = False                 # 7-bit weights: set true for AVX2 hosts without VNNI (u8s8 saturation)
+    # 7-bit weights, so AVX2's u8s8 kernels (no VNNI) cannot saturate; auto: on such hosts only (env.json)
+    reduce_range: bool | Literal["auto"] = "auto"
     sensitivity_budget_s: float = 120.0        # time for the per-layer sensitivity fallback (one budget over all build methods)
     max_fp32_share: float = 0.5                # keep at most this share of the quantizable ops in fp32
 

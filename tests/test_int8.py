@@ -130,6 +130,19 @@ def test_host_suitability():
     assert get_converter("onnx").host_unsuitable(old) is None           # the default: every host
 
 
+def test_reduce_range_auto_follows_the_usable_isa():
+    from pipeline.variants.int8 import resolve_reduce_range
+    x86 = lambda **isa: {"device": "cpu", "cpu": {"arch": "x86_64", "isa": {"avx2": True, **isa}}}  # noqa: E731
+    assert resolve_reduce_range("auto", x86(avx512_vnni=False, avx_vnni=False, amx_int8=False))[0] is True
+    assert resolve_reduce_range("auto", x86(avx512_vnni=True))[0] is False
+    assert resolve_reduce_range("auto", x86(avx_vnni=True))[0] is False
+    arm = {"device": "cpu", "cpu": {"arch": "aarch64", "isa": {"asimd": True}}}
+    assert resolve_reduce_range("auto", arm)[0] is False                 # no vpmaddubsw there
+    assert resolve_reduce_range("auto", {})[0] is False                  # no probe: nothing to go on
+    assert resolve_reduce_range(True, x86(avx512_vnni=True)) == (True, "set in params.yaml")
+    assert resolve_reduce_range(False, x86()) == (False, "set in params.yaml")
+
+
 # --------------------------------------------------------------------------- converters on a tiny MLP
 @pytest.fixture(scope="module")
 def outlier_models(tmp_path_factory):
@@ -151,7 +164,7 @@ def outlier_models(tmp_path_factory):
     return out
 
 
-def _convert(variant, outlier, outlier_models, make_params, tmp_path, conversion=None, **int8):
+def _convert(variant, outlier, outlier_models, make_params, tmp_path, conversion=None, env=None, **int8):
     from pipeline.checkpoint import load_model
     from pipeline.golden import write_golden
     from pipeline.variants import get_converter
@@ -165,6 +178,8 @@ def _convert(variant, outlier, outlier_models, make_params, tmp_path, conversion
     loaded = load_model(params)
     golden = write_golden(params, loaded, tmp_path / "golden")
     converter = get_converter(variant).from_params(params)
+    if env is not None:
+        converter = converter.for_host(env)
     out = tmp_path / variant
     record = build_variant(converter, loaded, golden, out, "cpu", tolerance_for(params, "int8"),
                            params.conversion.min_topk_agreement)
@@ -186,6 +201,20 @@ def test_a_plain_model_passes_its_int8_gate_whole(variant, outlier_models, make_
     rt.close()
     ref = golden.batches[-1].outputs[0]
     assert 1e-5 < np.abs(got - ref).max() <= 0.05 + 0.1 * np.abs(ref).max()     # really quantized, within the gate
+
+
+@pytest.mark.parametrize("variant", ["onnx-int8-dynamic", "onnx-int8-static"])
+def test_an_avx2_host_quantizes_weights_to_7_bits(variant, outlier_models, make_params, tmp_path):
+    avx2 = {"device": "cpu", "cpu": {"arch": "x86_64", "isa": {"avx2": True, "avx512_vnni": False}}}
+    record, out, _ = _convert(variant, 0.0, outlier_models, make_params, tmp_path, env=avx2)
+    assert record["status"] == "converted", record["reason"]
+    q = record["quantization"]
+    assert q["reduce_range"] is True and "vpmaddubsw" in q["reduce_range_reason"]
+    import onnx
+    from onnx import numpy_helper
+    weights = [numpy_helper.to_array(t) for t in onnx.load(str(out / "model.onnx")).graph.initializer
+               if t.data_type == onnx.TensorProto.INT8 and t.dims and len(t.dims) >= 2]
+    assert weights and max(int(np.abs(w).max()) for w in weights) <= 64          # 7-bit range, not 127
 
 
 @pytest.mark.parametrize("variant", INT8)

@@ -93,6 +93,11 @@ class Converter:
     def options_dict(self) -> dict:
         return dataclasses.asdict(self.options)
 
+    def for_host(self, env: dict) -> "Converter":
+        """This converter with its host-dependent options ("auto") decided for the host `env`
+        describes (artifacts/env.json). Most options do not depend on the host: itself."""
+        return self
+
     @classmethod
     def host_unsuitable(cls, env: dict) -> Optional[str]:
         """Why this variant is not worth building on the host `env` describes (artifacts/env.json:

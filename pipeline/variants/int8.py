@@ -23,9 +23,11 @@ the fp32 graph being quantized (ONNX) or the eager module (torch).
   torch 2.13 still ships torch.ao.quantization's eager dynamic path; torchao is not installed here.
 
 Host suitability: int8 pays where the CPU has integer dot-product instructions — AVX-512 VNNI,
-AVX-VNNI, AMX-INT8, or at least AVX2 (u8s8 via vpmaddubsw; set `reduce_range: true` there when
-accuracy suffers from saturation) or Arm NEON/ASIMD. GPU int8 is TensorRT's path (a calibrated
-TensorRT engine), which this pipeline does not build.
+AVX-VNNI, AMX-INT8, or at least AVX2, or Arm NEON/ASIMD. Without VNNI, x86 u8s8 kernels multiply
+with vpmaddubsw, whose int16 pair sums saturate (255·127·2 > 32767): the same MiniLM int8 graph
+measured min cosine 0.9990 with AVX-512 VNNI kernels and 0.9949 with AVX2 ones on the same golden
+set. `reduce_range: auto` therefore quantizes weights to 7 bits exactly there (env.json's usable ISA).
+GPU int8 is TensorRT's path (a calibrated TensorRT engine), which this pipeline does not build.
 """
 from __future__ import annotations
 
@@ -56,6 +58,20 @@ GPU_INT8 = ("int8 on a GPU is TensorRT's path (a calibrated TensorRT engine), wh
 # The optimised graph holds contrib ops (BiasGelu, FusedMatMul) that ONNX shape inference cannot type.
 UNTYPED_AS_FLOAT = {"DefaultTensorType": 1}   # onnx.TensorProto.FLOAT
 INT8_ISA = ("amx_int8", "avx512_vnni", "avx_vnni", "avx2", "asimd", "neon")
+VNNI_ISA = ("amx_int8", "avx512_vnni", "avx_vnni")     # integer dot products that do not saturate
+
+
+def resolve_reduce_range(setting, env: dict) -> tuple[bool, str]:
+    """`conversion.int8.reduce_range` for this host: (value, why)."""
+    if setting != "auto":
+        return bool(setting), "set in params.yaml"
+    cpu = env.get("cpu") or {}
+    isa = cpu.get("isa") or {}
+    if (env.get("device") or "cpu") == "cpu" and cpu.get("arch") in ("x86_64", "AMD64") and isa \
+            and not any(isa.get(k) for k in VNNI_ISA):
+        return True, ("auto: this x86 CPU has no VNNI/AMX-INT8, so u8s8 kernels use vpmaddubsw, which "
+                      "saturates 8-bit weights; 7-bit weights avoid it")
+    return False, "auto: " + ("the CPU has VNNI/AMX-INT8 (no saturation)" if isa else "no ISA flags known (env.json)")
 
 
 @dataclass(frozen=True)
@@ -85,8 +101,19 @@ class Int8Mixin:
                     "or NEON): int8 kernels would not beat fp32")
         return None
 
+    def for_host(self, env: dict):
+        q = self.options.quantization
+        value, why = resolve_reduce_range(q.reduce_range, env)
+        resolved = type(self)(dataclasses.replace(self.options, quantization=dataclasses.replace(q, reduce_range=value)))
+        resolved.reduce_range_reason = why
+        return resolved
+
     def _q(self) -> Int8Params:
         return self.options.quantization
+
+    def _reduce_range(self) -> bool:
+        """The resolved setting ("auto" counts as off when no host was given)."""
+        return self._q().reduce_range is True
 
     def calibration(self, ctx: BuildContext, reference) -> Calibration:
         """The calibration feeds and `reference(feeds)` → outputs on each batch."""
@@ -159,12 +186,13 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
                 return [runner.run(f) for f in on.feeds]
 
             def op_errors(ops: list[str]) -> dict[str, float]:
-                return onnx_op_errors(fp32, ops, cal, self._q().reduce_range, self._q().per_channel,
+                return onnx_op_errors(fp32, ops, cal, self._reduce_range(), self._q().per_channel,
                                       static=self.scheme != "dynamic")
 
             chosen, record = self.run_search(candidates, quantize, run, cal, op_errors)
             q = self._q()
-            self._record.update(scheme=self.scheme, per_channel=q.per_channel, reduce_range=q.reduce_range,
+            self._record.update(scheme=self.scheme, per_channel=q.per_channel, reduce_range=self._reduce_range(),
+                                reduce_range_reason=getattr(self, "reduce_range_reason", "set in params.yaml"),
                                 weight_type="int8", op_types=list(QUANTIZABLE_OPS), **self._scheme_record(), **record)
             # int8 weights are ~4x smaller than the fp32 ones the export was sized by: the artifact's form
             # follows its own size (a 2.5 GB fp32 model's int8 artifact can be one file again).
@@ -187,7 +215,7 @@ class OnnxInt8DynamicConverter(_OnnxInt8):
         from onnxruntime.quantization import QuantType, quantize_dynamic
         q = self._q()
         quantize_dynamic(str(src), str(dst), op_types_to_quantize=list(QUANTIZABLE_OPS), per_channel=q.per_channel,
-                         reduce_range=q.reduce_range, weight_type=QuantType.QInt8, nodes_to_quantize=list(nodes),
+                         reduce_range=self._reduce_range(), weight_type=QuantType.QInt8, nodes_to_quantize=list(nodes),
                          nodes_to_exclude=list(exclude), use_external_data_format=external,
                          extra_options={"MatMulConstBOnly": True, **UNTYPED_AS_FLOAT})
 
@@ -208,7 +236,7 @@ class OnnxInt8StaticConverter(_OnnxInt8):
         # The ranges are measured once (the first call) and reused by every sensitivity attempt.
         quantize_static(str(src), str(dst), _FeedsReader(cal.feeds), quant_format=QuantFormat.QDQ,
                         op_types_to_quantize=list(QUANTIZABLE_OPS), per_channel=q.per_channel,
-                        reduce_range=q.reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        reduce_range=self._reduce_range(), activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                         nodes_to_quantize=list(nodes), nodes_to_exclude=list(exclude),
                         calibrate_method=getattr(CalibrationMethod, self.METHODS[q.calibration]),
                         calibration_cache_path=tmp / "calibration.json", use_external_data_format=external,

@@ -29,21 +29,22 @@ def run(variant: str, out_dir: Path, golden_dir: Path) -> dict:
         converter_cls = get_converter(variant)
         dtype = converter_cls.dtype
         tol = tolerance_for(params, dtype)
-        converter = converter_cls.from_params(params)
+        from pipeline.paths import ENV_JSON
+        from pipeline.plan import bounded_golden, make_screen, read_env
+        env = read_env(ENV_JSON)
+        converter = converter_cls.from_params(params).for_host(env)
 
         from pipeline.checkpoint import load_model
         from pipeline.golden import read_golden
         from pipeline.measure.device import resolve_device
         device = resolve_device(params.benchmark.device)
-        from pipeline.paths import ENV_JSON
-        from pipeline.plan import bounded_golden, make_screen, read_env
         golden = read_golden(golden_dir)
         t0 = time.perf_counter()
         loaded = load_model(params)
         log.info("%s: loaded %s in %.1f s; building for %s", variant, params.model.checkpoint,
                  time.perf_counter() - t0, device)
         golden = bounded_golden(golden, loaded, params)
-        screen = make_screen(converter_cls, params, loaded, golden, read_env(ENV_JSON), device)
+        screen = make_screen(converter_cls, params, loaded, golden, env, device)
         return build_variant(converter, loaded, golden, out_dir, device, tol,
                              params.conversion.min_topk_agreement, screen=screen)
     except Exception as e:
