@@ -202,6 +202,7 @@ class TuneParams:
     measure_s: float = 2.0                     # seconds of load per candidate and round (after a warm-up)
     warmup_requests: int = 32                  # per server start, not measured
     max_candidates: int = 5                    # offline choice + larger batches + the other workers × threads layout
+    contenders: int = 3                        # variants tied offline (within noise) served against each other; 1: off
     frontend: bool = True                      # also try disable_system_metrics and netty thread counts
 
 
@@ -406,7 +407,8 @@ def _check_semantics(p: Params) -> None:
             ("rounds", t.rounds, t.rounds >= 1, "an integer >= 1 (2 or more to see the noise)"),
             ("measure_s", t.measure_s, t.measure_s > 0, "seconds > 0"),
             ("warmup_requests", t.warmup_requests, t.warmup_requests >= 0, "an integer >= 0"),
-            ("max_candidates", t.max_candidates, t.max_candidates >= 1, "an integer >= 1")):
+            ("max_candidates", t.max_candidates, t.max_candidates >= 1, "an integer >= 1"),
+            ("contenders", t.contenders, t.contenders >= 1, "an integer >= 1 (1: serve selection's winner only)")):
         if not ok:
             raise _bad(f"tune.{key}", value, allowed)
     if p.serve_check.rounds < 1:

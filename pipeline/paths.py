@@ -16,6 +16,7 @@ BENCHMARK_METRICS = METRICS / "benchmark"            # benchmark@<variant>: <var
 BENCHMARK_PLOTS = ARTIFACTS / "plots"                # plot data (csv/json) for dvc plots
 SELECTION_JSON = ARTIFACTS / "selection.json"        # select
 CONFIGURED_DIR = ARTIFACTS / "configured"            # configure: the offline proposal (same files as serve/)
+CONTENDERS = "contenders"                              # configured/contenders/<variant>/: variants tied with the winner
 SERVE_DIR = ARTIFACTS / "serve"                      # tune: config.properties, model-config.yaml, derivation.json, tuning.json
 TUNING_METRICS = METRICS / "tuning.json"             # tune: duration, served verdict, chosen point
 HANDTUNED_DIR = ARTIFACTS / "handtuned"              # archive: the hand-tuned ONNX reference (<name>.mar + config.properties)

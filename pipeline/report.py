@@ -156,7 +156,8 @@ def phase_medians(bench: dict) -> dict[str, float]:
 
 
 def winner(inputs: ReportInputs) -> Optional[str]:
-    return (inputs.selection or {}).get("winner")
+    """The variant that is served: the tune stage's (its contest may have replaced selection's)."""
+    return (inputs.tuning or {}).get("variant") or (inputs.selection or {}).get("winner")
 
 
 def serving_batch_size(inputs: ReportInputs) -> Optional[int]:
@@ -851,6 +852,16 @@ def tuning_blocks(inputs: ReportInputs) -> list[Block]:
         return out
     header = ["candidate", "batch / delay / workers×threads", "predicted req/s", "served req/s", "predicted p99 (ms)",
               "served p99 (ms)", "rounds' spread", "batches formed {size: count}", "served p99 ≤ SLO"]
+    contest = t.get("variant_contest")
+    if contest:
+        b.append(Heading("Variant contest", 3))
+        b.append(Para(f"Selection could not tell {', '.join(contest.get('contenders') or [])} apart beyond the "
+                      f"benchmark's noise, so each was served at its own offline point, in interleaved rounds. "
+                      f"Served: **{contest.get('chosen')}**"
+                      + (" (it replaced selection's winner)." if contest.get("replaced_selection") else ".")))
+        b.append(Table(header, rows(contest.get("candidates") or [])))
+        b.append(Para("Why: " + " → ".join(contest.get("decision_steps") or [])))
+        b.append(Heading(f"Operating point of {t.get('variant')}", 3))
     b.append(Table(header, rows(t.get("candidates") or [])))
     b.append(Para("Why: " + " → ".join(t.get("decision_steps") or [])))
     fe = t.get("frontend")

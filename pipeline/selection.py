@@ -264,3 +264,10 @@ def check_decision(decision: dict, require_slo: bool) -> None:
     if require_slo and not decision["slo_met"]:
         raise SelectionError(decision["message"] + " — failing because serve.require_slo is true "
                              "(raise serve.latency_slo_ms / memory_budget_mb, or set require_slo false)")
+
+
+def tied_contenders(selection: dict) -> list[str]:
+    """The eligible variants tied with the winner within the measured noise, closest first."""
+    tied = ((selection.get("tie_break") or {}).get("within_noise")) or []
+    ranked = sorted(tied, key=lambda t: t.get("relative_gap", 0.0))
+    return [t["variant"] for t in ranked if t.get("variant") != selection.get("winner")]

@@ -159,7 +159,7 @@ def check_parity(ts: TorchServe, cases: list[HttpCase], atol: float, rtol: float
     answers: list[tuple[Any, Any]] = []
 
     def run(case: HttpCase, client: Client) -> dict:
-        r = client.request("POST", ts.predictions_path(), case.body, case.content_type)
+        r = client.request("POST", ts.api.predictions_path(), case.body, case.content_type)
         if r.status != 200:
             return {"id": case.id, "ok": False, "max_abs": None,
                     "error": f"HTTP {r.status}: {r.body[:300].decode('utf-8', 'replace')}"}
@@ -170,7 +170,7 @@ def check_parity(ts: TorchServe, cases: list[HttpCase], atol: float, rtol: float
         ok, err, msg = response_within(got, case.expected, atol, rtol, gate)
         return {"id": case.id, "ok": ok, "max_abs": err, "error": msg or None, "_answer": (got, case.expected)}
 
-    client = ts.client()
+    client = ts.api.client()
     try:
         sequential = [run(c, client) for c in cases]
     finally:
@@ -202,7 +202,7 @@ def _concurrently(items: list, fn, ts: TorchServe, threads: int) -> list:
 
     def call(item):
         if not hasattr(local, "client"):
-            local.client = ts.client()
+            local.client = ts.api.client()
             try:
                 barrier.wait(timeout=10)
             except threading.BrokenBarrierError:
@@ -278,7 +278,7 @@ def check_bad_inputs(ts: TorchServe, bad: list[BadCase], good: list[HttpCase],
     def send(item, client: Client):
         kind, case = item
         try:
-            r = client.request("POST", ts.predictions_path(), case.body, case.content_type)
+            r = client.request("POST", ts.api.predictions_path(), case.body, case.content_type)
         except Exception as e:  # noqa: BLE001 — a dropped connection is a result here, not a crash
             return kind, case, None, f"{type(e).__name__}: {e}"
         return kind, case, r, None
@@ -298,9 +298,9 @@ def check_bad_inputs(ts: TorchServe, bad: list[BadCase], good: list[HttpCase],
                 good_fail.append({"id": case.id, "status": status, "error": err})
             if r is not None and r.request_id:
                 good_ids.add(r.request_id)
-    batches = [b for b in ts.batches() if b & (bad_ids | good_ids)]
+    batches = [b for b in ts.log.batches() if b & (bad_ids | good_ids)]
     mixed_batches = sum(1 for b in batches if b & bad_ids and b & good_ids)
-    desc = ts.describe_model()
+    desc = ts.api.describe_model()
     workers_after = {w["id"]: w.get("pid") for w in desc.get("workers", [])}
     ready_after = all(w.get("status") == "READY" for w in desc.get("workers", []))
     worker_stayed_up = ready_after and workers_after == workers_before
@@ -353,7 +353,7 @@ def run_load(ts: TorchServe, cases: list[HttpCase], requests: int, concurrency: 
     capped = [False]
 
     def worker():
-        client = ts.client(timeout_s=request_timeout_s or time_cap_s, retry_stale=False)
+        client = ts.api.client(timeout_s=request_timeout_s or time_cap_s, retry_stale=False)
         try:
             while True:
                 with lock:
@@ -365,7 +365,7 @@ def run_load(ts: TorchServe, cases: list[HttpCase], requests: int, concurrency: 
                     return
                 case = cases[i % len(cases)]
                 try:
-                    r = client.request("POST", ts.predictions_path(), case.body, case.content_type)
+                    r = client.request("POST", ts.api.predictions_path(), case.body, case.content_type)
                     rec = (i, r.status, r.ms, r.request_id, None if r.status == 200 else _error_text(r))
                 except Exception as e:   # noqa: BLE001 — a lost request is a result, recorded
                     client.close()
@@ -384,7 +384,7 @@ def run_load(ts: TorchServe, cases: list[HttpCase], requests: int, concurrency: 
     answered = [r for r in records if r[1] is not None]
     ok = [r for r in answered if r[1] == 200]
     lat = np.asarray([r[2] for r in ok], dtype=np.float64)
-    sizes = ts.batch_sizes_for(r[3] for r in ok)
+    sizes = ts.log.batch_sizes_for(r[3] for r in ok)
     n_batches = sum(sizes.values())
     return LoadResult(
         requests_planned=requests, requests_sent=len(records), requests_answered=len(answered),
@@ -417,10 +417,10 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
             ready = ts.readiness
             out.update(ready=True, ready_s=ready.ready_s, all_workers_ready_s=ready.all_ready_s,
                        worker_load_ms=ready.worker_load_ms, settings=_settings(ready.description),
-                       token_authorization=ts.inference_key() is not None)
+                       token_authorization=ts.api.inference_key() is not None)
             log.info("%s READY in %.2f s (WorkerLoadTime %s ms), %d worker(s)", spec.name, ready.ready_s,
                      ready.worker_load_ms, len(ready.description.get("workers", [])))
-            first = ts.predict(cases[0].body, cases[0].content_type)
+            first = ts.api.predict(cases[0].body, cases[0].content_type)
             out["first_request_ms"] = first.ms
             out["first_request_status"] = first.status
             if parity:

@@ -10,38 +10,33 @@ Readiness is the management API's `workers[].status == "READY"`, never /ping (wh
 Healthy while a worker is failing and retrying). A load that exceeds startupTimeout or a dying
 worker is reported at once with the worker log's tail, and the server is stopped.
 Token authorization stays on: keys come from the server's own key_file.json.
+
+This module is the process lifecycle. Once started, `ts.api` (pipeline/torchserve_http.py) makes
+the HTTP calls and `ts.log` (pipeline/torchserve_logs.py) reads what the server wrote.
 """
 from __future__ import annotations
 
 import http.client
-import json
 import os
-import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 import psutil
 
 from pipeline.properties import format_properties
-
-HOST = "127.0.0.1"
+from pipeline.torchserve_http import HOST, Client, Response, ServerApi, TorchServeError, read_properties  # noqa: F401
+from pipeline.torchserve_logs import ServerLogs, read_from, tail
 POLL_S = 0.05
 # Frontend log lines that mean the model will not become READY on this attempt.
 _STARTUP_TIMEOUT_MARK = "did not respond in given time"
 _WORKER_DIED_MARKS = ("Backend worker process died", "Load model failed", "Worker died")
-_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-
-class TorchServeError(RuntimeError):
-    """TorchServe could not be started, queried or stopped; the message says what and where."""
 
 
 class ModelNotReady(TorchServeError):
@@ -63,17 +58,6 @@ class Ports:
     metrics: int
     grpc_inference: int
     grpc_management: int
-
-
-@dataclass(frozen=True)
-class Response:
-    status: int
-    body: bytes
-    ms: float                       # client-side latency, send → full body read
-    request_id: Optional[str] = None  # TorchServe's x-request-id: ties the request to its batch in the logs
-
-    def json(self):
-        return json.loads(self.body.decode("utf-8"))
 
 
 @dataclass
@@ -109,19 +93,6 @@ def _torchserve_cli() -> str:
     return found
 
 
-def read_properties(path: Path) -> dict[str, str]:
-    """Last-wins key=value view of a config.properties, as TorchServe's CLI reads it (no escapes;
-    enough for the plain keys we look up here, such as max_request_size)."""
-    props: dict[str, str] = {}
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if not line or line[0] in "#!" or "=" not in line:
-            continue
-        key, _, value = line.partition("=")
-        props[key.strip()] = value.strip()
-    return props
-
-
 def processes_of(workdir: Path) -> list[psutil.Process]:
     """Live java/worker processes belonging to the server rooted at `workdir`: their cwd, TEMP or
     command line points inside it."""
@@ -144,62 +115,13 @@ def processes_of(workdir: Path) -> list[psutil.Process]:
     return found
 
 
-class Client:
-    """One keep-alive HTTP connection (use one per thread). Reconnects after the server closes
-    (TorchServe closes the connection after every 4xx)."""
-
-    def __init__(self, port: int, token: Optional[str], timeout_s: float = 120.0, retry_stale: bool = True):
-        self.port, self.token, self.timeout_s = port, token, timeout_s
-        # Resend once when a kept-alive connection turns out closed; off under load, where a
-        # dropped request must count as lost, not be silently sent again.
-        self.retry_stale = retry_stale
-        self._conn: Optional[http.client.HTTPConnection] = None
-
-    def request(self, method: str, path: str, body: bytes | None = None,
-                content_type: Optional[str] = None, headers: Optional[dict] = None) -> Response:
-        hdrs = dict(headers or {})
-        if self.token:
-            hdrs["Authorization"] = f"Bearer {self.token}"
-        if content_type is not None:
-            hdrs["Content-Type"] = content_type
-        if body is not None:
-            hdrs["Content-Length"] = str(len(body))
-        for attempt in (0, 1):
-            if self._conn is None:
-                self._conn = http.client.HTTPConnection(HOST, self.port, timeout=self.timeout_s)
-            t0 = time.perf_counter()
-            try:
-                try:
-                    self._conn.request(method, path, body=body, headers=hdrs)
-                except (BrokenPipeError, ConnectionResetError):
-                    # The server may answer (413) and close before it has read a too-large body.
-                    pass
-                resp = self._conn.getresponse()
-                data = resp.read()
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
-                    http.client.BadStatusLine):
-                self.close()
-                if attempt == 0 and self.retry_stale and (body is None or len(body) < (1 << 20)):
-                    continue    # stale keep-alive connection: retry once on a fresh one
-                raise
-            ms = (time.perf_counter() - t0) * 1000.0
-            if resp.will_close:
-                self.close()
-            return Response(resp.status, data, ms, resp.getheader("x-request-id"))
-        raise AssertionError("unreachable")
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-
 class TorchServe:
     """A TorchServe process for one model, as a context manager that always stops it.
 
         with TorchServe(config, model_store, "minilm", models="minilm=minilm.mar") as ts:
             ready = ts.readiness           # ready_s, worker_load_ms, description
-            r = ts.predict(b'{"text": "hi"}', "application/json")
+            r = ts.api.predict(b'{"text": "hi"}', "application/json")
+            sizes = ts.log.batch_sizes_for([r.request_id])
     """
 
     def __init__(self, config: Optional[Path], model_store: Path, model_name: str, *,
@@ -223,7 +145,8 @@ class TorchServe:
         self.ports: Optional[Ports] = None
         self.java_pid: Optional[int] = None
         self.readiness: Optional[Readiness] = None
-        self._keys: Optional[dict] = None
+        self.api: Optional[ServerApi] = None      # set at start, once the ports are known
+        self.log = ServerLogs(self.logs, model_name)
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -285,6 +208,7 @@ class TorchServe:
             raise TorchServeError("java not found: TorchServe 0.12 needs Java 17 (`make java`)")
         self.tmpdir.mkdir(parents=True, exist_ok=True)
         self.ports = Ports(*free_ports(5))
+        self.api = ServerApi(self.workdir, self.ports.inference, self.ports.management, self.model_name)
         config = self._write_config()
         cmd = [_torchserve_cli(), "--start", "--ncs", "--ts-config", str(config),
                "--model-store", str(self.model_store.resolve())]
@@ -297,7 +221,7 @@ class TorchServe:
             self.java_pid = int(pid_file.read_text().strip() or 0) or None
         if rc != 0 or self.java_pid is None:
             raise TorchServeError(f"`torchserve --start` failed (exit {rc}) in {self.workdir}:\n"
-                                  f"{self._tail(self.workdir / 'torchserve.out', 30)}")
+                                  f"{tail(self.workdir / 'torchserve.out', 30)}")
         return self._wait_ready(t0)
 
     def stop(self, check: bool = True, timeout_s: float = 30.0) -> None:
@@ -363,7 +287,7 @@ class TorchServe:
             now = time.monotonic()
             if self.java_pid and not _alive(self.java_pid):
                 self._fail("TorchServe exited during start-up", "server_exited")
-            text, log_offset = self._read_from(self.logs / "ts_log.log", log_offset)
+            text, log_offset = read_from(self.logs / "ts_log.log", log_offset)
             if _STARTUP_TIMEOUT_MARK in text:
                 # TorchServe kills the worker and retries it with backoff for minutes (predictions
                 # hang, /ping stays Healthy): stop at the first kill instead.
@@ -397,15 +321,15 @@ class TorchServe:
             time.sleep(POLL_S)
 
     def _fail(self, message: str, reason: str, **details):
-        tail = self.log_tail()
+        log_tail = self.log.log_tail()
         self.stop(check=False)
-        raise ModelNotReady(f"{message} [server dir: {self.workdir}]", reason, tail, **details)
+        raise ModelNotReady(f"{message} [server dir: {self.workdir}]", reason, log_tail, **details)
 
     def _try_describe(self) -> Optional[dict]:
         try:
-            if self.management_key() is None and not self._auth_disabled():
+            if not self.api.ready():
                 return None
-            r = self.management("GET", f"/models/{self.model_name}", timeout_s=5)
+            r = self.api.management("GET", f"/models/{self.model_name}", timeout_s=5)
         except (OSError, http.client.HTTPException):
             return None
         if r.status != 200:
@@ -416,147 +340,18 @@ class TorchServe:
     def _wait_worker_load_ms(self, wait_s: float = 3.0) -> Optional[float]:
         end = time.monotonic() + wait_s     # the metric line is flushed just after READY
         while True:
-            v = self.worker_load_ms()
+            v = self.log.worker_load_ms()
             if v is not None or time.monotonic() > end:
                 return v
             time.sleep(POLL_S)
 
-    # ------------------------------------------------------------------ keys and HTTP
-    def _auth_disabled(self) -> bool:
-        cfg = self.workdir / "config.properties"
-        return cfg.exists() and read_properties(cfg).get("disable_token_authorization", "").lower() == "true"
-
-    def _key(self, kind: str) -> Optional[str]:
-        if self._keys is None:
-            path = self.workdir / "key_file.json"
-            if not path.exists():
-                return None
-            try:
-                self._keys = json.loads(path.read_text())
-            except json.JSONDecodeError:
-                return None     # being written
-        return (self._keys.get(kind) or {}).get("key")
-
-    def management_key(self) -> Optional[str]:
-        return self._key("management")
-
-    def inference_key(self) -> Optional[str]:
-        return self._key("inference")
-
-    def management(self, method: str, path: str, timeout_s: float = 30.0) -> Response:
-        c = Client(self.ports.management, self.management_key(), timeout_s)
-        try:
-            return c.request(method, path)
-        finally:
-            c.close()
-
-    def client(self, timeout_s: float = 120.0, retry_stale: bool = True) -> Client:
-        """A keep-alive inference client (one per thread)."""
-        return Client(self.ports.inference, self.inference_key(), timeout_s, retry_stale)
-
-    def predict(self, body: bytes, content_type: Optional[str], model: Optional[str] = None,
-                timeout_s: float = 120.0) -> Response:
-        c = self.client(timeout_s)
-        try:
-            return c.request("POST", self.predictions_path(model), body, content_type)
-        finally:
-            c.close()
-
-    def predictions_path(self, model: Optional[str] = None) -> str:
-        return f"/predictions/{model or self.model_name}"
-
-    def describe_model(self, model: Optional[str] = None) -> dict:
-        """GET /models/<name> (the first version's description)."""
-        r = self.management("GET", f"/models/{model or self.model_name}")
-        if r.status != 200:
-            raise TorchServeError(f"GET /models/{model or self.model_name} → {r.status}: {r.body[:300]!r}")
-        return r.json()[0]
-
+    # ------------------------------------------------------------------ worker processes
     def worker_pids(self) -> dict[str, Optional[int]]:
-        return {w["id"]: w.get("pid") for w in self.describe_model().get("workers", [])}
+        return {w["id"]: w.get("pid") for w in self.api.describe_model().get("workers", [])}
 
     def worker_peak_rss_mb(self) -> dict[str, Optional[float]]:
         """Peak resident memory of each worker process so far (Linux VmHWM; else the current RSS), MB."""
-        out = {}
-        for wid, pid in self.worker_pids().items():
-            out[wid] = _peak_rss_mb(pid) if pid else None
-        return out
-
-    # ------------------------------------------------------------------ logs
-    @staticmethod
-    def _read_from(path: Path, offset: int) -> tuple[str, int]:
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read()
-        except FileNotFoundError:
-            return "", offset
-        # Only whole lines: keep a partial last line for the next read.
-        cut = data.rfind(b"\n") + 1
-        return data[:cut].decode("utf-8", "replace"), offset + cut
-
-    @staticmethod
-    def _tail(path: Path, n: int) -> str:
-        try:
-            lines = path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return f"({path.name}: not written)"
-        return "\n".join(lines[-n:])
-
-    def log_tail(self, n: int = 40) -> str:
-        """The worker log's last lines and the frontend's last warnings/errors (stack frames and
-        the frontend's doubled lines left out)."""
-        try:
-            ts_lines = (self.logs / "ts_log.log").read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            ts_lines = []
-        warnings: list[str] = []
-        for line in ts_lines:
-            if ("[WARN" in line or "[ERROR" in line) and (not warnings or warnings[-1] != line):
-                warnings.append(line)
-        return (f"== {self.logs / 'model_log.log'} ==\n{self._tail(self.logs / 'model_log.log', n)}\n"
-                f"== {self.logs / 'ts_log.log'} (warnings/errors) ==\n" + "\n".join(warnings[-(n // 2):]))
-
-    def worker_load_ms(self) -> Optional[float]:
-        """TorchServe's WorkerLoadTime for this model (max over its workers), from ts_metrics.log."""
-        pat = re.compile(r"WorkerLoadTime\.Milliseconds:([0-9.]+)\|#WorkerName:W-\d+-(.+?)_[^_|,]*,")
-        values = []
-        try:
-            text = (self.logs / "ts_metrics.log").read_text(errors="replace")
-        except FileNotFoundError:
-            return None
-        for m in pat.finditer(text):
-            if m.group(2) == self.model_name:
-                values.append(float(m.group(1)))
-        return max(values) if values else None
-
-    def batches(self) -> list[frozenset]:
-        """Every batch the Python backend ran, as the set of TorchServe request ids in it: one
-        PredictionTime metric per batch carries all of its ids (model_metrics.log in metrics_mode
-        log; the frontend's ts_log.log echoes the raw [METRICS] line in every mode)."""
-        seen: dict[frozenset, None] = {}
-        for name in ("model_metrics.log", "ts_log.log"):
-            try:
-                text = (self.logs / name).read_text(errors="replace")
-            except FileNotFoundError:
-                continue
-            for line in text.splitlines():
-                if "PredictionTime" in line:
-                    ids = frozenset(_UUID.findall(line))
-                    if ids:
-                        seen.setdefault(ids)
-        return list(seen)
-
-    def batch_sizes_for(self, request_ids: Iterable[str], wait_s: float = 5.0) -> Counter:
-        """Histogram {batch size: number of batches} over the batches that contain these requests."""
-        wanted = {r for r in request_ids if r}
-        end = time.monotonic() + wait_s
-        while True:
-            hits = [b for b in self.batches() if b & wanted]
-            covered = set().union(*hits) if hits else set()
-            if wanted <= covered or time.monotonic() > end:
-                return Counter(len(b) for b in hits)
-            time.sleep(0.1)
+        return {wid: _peak_rss_mb(pid) if pid else None for wid, pid in self.worker_pids().items()}
 
 
 def _inside(path: str, root: str) -> bool:

@@ -21,6 +21,10 @@ keeps the one that serves best, with the evidence:
    in-flight load one replica takes within the SLO (measured at lower concurrency), hence
    replicas = ceil(expected / that).
 
+Before all that, `variant_contest` serves the variants selection found within the benchmark's noise
+of its winner (each at its own offline point): a tie offline is decided by the server, and another
+variant replaces the winner only by serving better beyond the rounds' noise.
+
 Pure decision logic (`decide`, `slo_verdict`, `candidates_from_curve`) is separate from serving
 (`Tuner`), so both are tested on their own.
 """
@@ -276,6 +280,9 @@ def decide(results: list[CandidateResult], *, objective: str, slo_ms: float, min
                 steps.append(f"{r.candidate.name}: {what} {gain:+.1%} vs {chosen.candidate.name}, beyond the noise "
                              f"band {band:.1%}: taken")
                 chosen = r
+            elif gain < -band:
+                steps.append(f"{r.candidate.name}: {what} {gain:+.1%} vs {chosen.candidate.name}, worse beyond the "
+                             f"noise band {band:.1%}: {chosen.candidate.name} stays")
             else:
                 steps.append(f"{r.candidate.name}: {what} {gain:+.1%} vs {chosen.candidate.name}, within the noise "
                              f"band {band:.1%}: {chosen.candidate.name} stays")
@@ -398,21 +405,21 @@ class Tuner:
         returns the seconds until its workers were READY."""
         name = self.model.name
         t0 = time.monotonic()
-        r = ts.management("DELETE", f"/models/{name}", timeout_s=60)
+        r = ts.api.management("DELETE", f"/models/{name}", timeout_s=60)
         if r.status != 200:
             raise TorchServeError(f"unregistering {name} → {r.status}: {r.body[:300]!r}")
-        while ts.management("GET", f"/models/{name}", timeout_s=10).status == 200 and time.monotonic() - t0 < 30:
+        while ts.api.management("GET", f"/models/{name}", timeout_s=10).status == 200 and time.monotonic() - t0 < 30:
             time.sleep(0.05)
         self.model.write_yaml(c)
         # Threads per worker come from the yaml (handler.threads: the runtimes set intra-op threads
         # from it); the server's thread variables only cap libraries that would spawn more.
-        r = ts.management("POST", f"/models?url={self.model.folder}&model_name={name}&batch_size={c.batch_size}"
+        r = ts.api.management("POST", f"/models?url={self.model.folder}&model_name={name}&batch_size={c.batch_size}"
                                   f"&max_batch_delay={c.delay_ms}&initial_workers={c.workers}&synchronous=true",
                           timeout_s=300)
         if r.status != 200:
             raise TorchServeError(f"registering {name} ({c.describe()}) → {r.status}: {r.body[:300]!r}")
         self.registrations += 1
-        desc = ts.describe_model()
+        desc = ts.api.describe_model()
         if len([w for w in desc.get("workers", []) if w.get("status") == "READY"]) != c.workers:
             raise TorchServeError(f"{c.describe()}: workers after registration {desc.get('workers')}")
         return time.monotonic() - t0
@@ -610,6 +617,45 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
         "server_start_s": [round(x, 2) for x in tuner.start_s],
         "duration_s": round(time.monotonic() - t0, 1),
     }
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A variant in the served contest: its folder-form model and its own offline operating point."""
+    variant: str
+    model: ServedModel
+    candidate: OperatingCandidate
+
+
+def variant_contest(contenders: list[Contender], cases: list[HttpCase], s: TuneSettings,
+                    *, workroot: Optional[Path] = None, progress: Optional[Callable] = None) -> dict:
+    """Serve the variants selection could not tell apart (within the benchmark's noise), each at its
+    own offline operating point, in interleaved rounds (a fresh server per measurement, the order
+    rotated). contenders[0] is selection's winner: another variant replaces it only by serving
+    better beyond the rounds' noise (pipeline.tuning.decide). Returns the contest record."""
+    objective = "throughput" if s.objective == "cold_load" else s.objective
+    root = Path(workroot) if workroot else Path(tempfile.mkdtemp(prefix="contest-"))
+    t0 = time.monotonic()
+    tuners = [Tuner(c.model, cases, concurrency=s.expected_concurrency, measure_s=s.measure_s,
+                    warmup_requests=s.warmup_requests, workroot=root / c.variant, progress=progress)
+              for c in contenders]
+    results = [CandidateResult(dataclasses.replace(c.candidate, name=c.variant, origin="variant"))
+               for c in contenders]
+    n = len(contenders)
+    try:
+        for rnd in range(s.rounds):
+            for k in range(n):
+                i = (k + rnd) % n
+                results[i].rounds.extend(tuners[i].measure(contenders[i].candidate, rnd + 1))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    d = decide(results, objective=objective, slo_ms=s.latency_slo_ms, min_gain=s.min_gain)
+    chosen = contenders[d["chosen"]].variant
+    return {"contenders": [c.variant for c in contenders], "chosen": chosen,
+            "replaced_selection": chosen != contenders[0].variant,
+            "candidates": [dict(r.summary(s.latency_slo_ms), variant=c.variant) for r, c in zip(results, contenders)],
+            "decision_steps": d["steps"], "server_starts": sum(t.starts for t in tuners),
+            "duration_s": round(time.monotonic() - t0, 1)}
 
 
 def tuned_derivation(configured: dict, record: dict) -> dict:

@@ -5,15 +5,19 @@ artifacts/handtuned/ (pipeline/handtuned.py).
     python -m stages.archive [--params FILE] [--no-baseline]
 
 Also unpacks the .mar into artifacts/model_store/<name>/ (the folder form, pipeline/store_form.py).
-Reads artifacts/selection.json, artifacts/variants/<winner>/, artifacts/serve/model-config.yaml
-(+ derivation.json), artifacts/env.json. Exits non-zero with one clear message when an input is missing.
+Reads artifacts/selection.json, artifacts/serve/tuning.json (the served variant: the tune stage's
+contest may have replaced selection's winner), artifacts/variants/<variant>/,
+artifacts/serve/model-config.yaml (+ derivation.json), artifacts/env.json. Exits non-zero with one clear message when an input is missing.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
+from pathlib import Path
+from typing import Optional
 
 from pipeline.archive import ArchiveError, build_archive, build_baseline
 from pipeline.params import ParamsError, load_params
@@ -23,6 +27,13 @@ from pipeline.paths import (BASELINE_DIR, ENV_JSON, HANDTUNED_DIR, MODEL_STORE, 
 from pipeline.store_form import unpack_mar
 
 log = logging.getLogger("stages.archive")
+
+
+def served_variant(serve_dir: Path) -> Optional[str]:
+    """The variant the tune stage served and certified (its contest may have replaced selection's
+    winner); None without a tuning record: selection's winner then."""
+    path = serve_dir / "tuning.json"
+    return json.loads(path.read_text()).get("variant") if path.is_file() else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         params = load_params(args.params)
         t0 = time.perf_counter()
         result = build_archive(params, selection_path=SELECTION_JSON, variants_dir=VARIANTS_DIR,
-                               serve_dir=SERVE_DIR, env_path=ENV_JSON, export_dir=MODEL_STORE)
+                               serve_dir=SERVE_DIR, env_path=ENV_JSON, export_dir=MODEL_STORE,
+                               variant_name=served_variant(SERVE_DIR))
         log.info("wrote %s (%d files, %.1f MB, handler %s) in %.1f s", result.path, len(result.files),
                  result.bytes / 1e6, result.handler, time.perf_counter() - t0)
         # Both store forms are published: the .mar, and the folder TorchServe can use in place.

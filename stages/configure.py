@@ -3,20 +3,25 @@
     python -m stages.configure [--out DIR]
 
 Writes derivation.json (every value with formula, inputs, overridden), model-config.yaml (packed
-into the .mar), config.properties and start_command.txt.
+into the .mar), config.properties and start_command.txt. The variants selection found within the
+measured noise of the winner get their own proposal under contenders/<variant>/: the tune stage
+serves them against the winner in TorchServe, where the tie is decided.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional
 
 from pipeline.params import ParamsError, load_params
-from pipeline.paths import BENCHMARK_METRICS, CONFIGURED_DIR, ENV_JSON, GOLDEN_DIR, MODEL_STORE, SELECTION_JSON
+from pipeline.paths import (BENCHMARK_METRICS, CONFIGURED_DIR, CONTENDERS, ENV_JSON, GOLDEN_DIR, MODEL_STORE,
+                            SELECTION_JSON)
 from pipeline.properties import ConfigWriteError, write_serve_files
+from pipeline.selection import tied_contenders
 from pipeline.serve_config import DerivationError, derive_serve_config
 
 log = logging.getLogger("stages.configure")
@@ -63,19 +68,30 @@ def main(argv: list[str] | None = None) -> int:
         winner = selection.get("winner")
         if not winner:
             raise ConfigureError(f"{args.selection}: no winner — {selection.get('message')}")
-        benchmark = _read_json(Path(args.benchmarks_dir) / f"{winner}.json", f"the benchmark of {winner}")
         env = _read_json(Path(args.env), "the probe stage's environment")
         m = params.model
         task = {"kind": m.task, "input_shape": m.input_shape, "max_length": m.text.max_length}
-        derivation = derive_serve_config(benchmark, env, params.serve, task=task,
-                                         sample_elements=sample_elements(Path(args.golden)))
+        elements = sample_elements(Path(args.golden))
         serve = params.serve
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         model_store = serve.model_store or args.model_store
-        source = (f"Winner: {winner} (objective {selection.get('objective')}, SLO "
-                  f"{serve.latency_slo_ms:g} ms, slo_met {selection.get('slo_met')}).")
-        write_serve_files(out, derivation, model_name=m.name, serve=serve, model_store=model_store, source=source)
+
+        def propose(variant: str, folder: Path, source: str) -> dict:
+            benchmark = _read_json(Path(args.benchmarks_dir) / f"{variant}.json", f"the benchmark of {variant}")
+            derivation = derive_serve_config(benchmark, env, serve, task=task, sample_elements=elements)
+            folder.mkdir(parents=True, exist_ok=True)
+            write_serve_files(folder, derivation, model_name=m.name, serve=serve, model_store=model_store,
+                              source=source)
+            return derivation
+
+        derivation = propose(winner, out, f"Winner: {winner} (objective {selection.get('objective')}, SLO "
+                                          f"{serve.latency_slo_ms:g} ms, slo_met {selection.get('slo_met')}).")
+        shutil.rmtree(out / CONTENDERS, ignore_errors=True)
+        for variant in tied_contenders(selection):
+            propose(variant, out / CONTENDERS / variant,
+                    f"Contender: {variant}, within the measured noise of the winner {winner}; the tune stage "
+                    f"serves both.")
+            log.info("contender %s: proposal in %s", variant, out / CONTENDERS / variant)
     except (ParamsError, ConfigureError, DerivationError, ConfigWriteError) as e:
         print(f"configure: error: {e}", file=sys.stderr)
         return 2

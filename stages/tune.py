@@ -11,6 +11,7 @@ true and the served p99 misses the SLO (the message says why, in numbers), 2 on 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -22,13 +23,14 @@ import yaml
 
 from pipeline.archive import ArchiveError, build_archive
 from pipeline.params import ParamsError, load_params
-from pipeline.paths import (BENCHMARK_METRICS, CONFIGURED_DIR, ENV_JSON, GOLDEN_DIR, MODEL_STORE, SELECTION_JSON,
+from pipeline.paths import (BENCHMARK_METRICS, CONFIGURED_DIR, CONTENDERS, ENV_JSON, GOLDEN_DIR, MODEL_STORE, SELECTION_JSON,
                             SERVE_DIR, TUNING_METRICS, VARIANTS_DIR)
 from pipeline.properties import ConfigWriteError, write_serve_files
+from pipeline.selection import tied_contenders
 from pipeline.serve_check import load_http_cases
 from pipeline.serve_config import DerivationError, curve_from_benchmark, usable_cores, values
-from pipeline.tuning import (ServedModel, TuneSettings, TuningError, candidates_from_curve, frontend_properties,
-                             tune, tuned_derivation)
+from pipeline.tuning import (Contender, ServedModel, TuneSettings, TuningError, candidates_from_curve,
+                             frontend_properties, progress_bar, tune, tuned_derivation, variant_contest)
 
 log = logging.getLogger("stages.tune")
 
@@ -54,38 +56,84 @@ def main(argv: list[str] | None = None) -> int:
         if not t.enabled:
             record = {"enabled": False, "slo_met": selection.get("slo_met"),
                       "basis": "offline prediction (tune.enabled is false: nothing was served)",
-                      "message": selection.get("message"), "duration_s": 0.0}
+                      "message": selection.get("message"), "duration_s": 0.0, "variant": winner}
             derivation = configured
         else:
-            benchmark = _read_json(BENCHMARK_METRICS / f"{winner}.json", f"the benchmark of {winner}")
             env = _read_json(ENV_JSON, "the probe stage's environment")
             cases = load_http_cases(GOLDEN_DIR / "http_cases.json")
-            device = benchmark.get("device") or "cpu"
-            cores = usable_cores(env)[0] if device == "cpu" else 0     # layouts share CPU cores only
-            overridden = frozenset(k for k, v in configured.items() if isinstance(v, dict) and v.get("overridden"))
-            candidates = candidates_from_curve(
-                curve_from_benchmark(benchmark), values(configured), slo_ms=serve.latency_slo_ms,
-                headroom_share=serve.delay_headroom_share, expected_concurrency=serve.expected_concurrency,
-                cores=cores, bench_threads=int(benchmark.get("threads") or 1), overridden=overridden,
-                max_candidates=t.max_candidates)
-            log.info("candidates: %s", "; ".join(f"{c.name} ({c.describe()})" for c in candidates))
+            proposals = {winner: CONFIGURED_DIR}
+            for folder in sorted((CONFIGURED_DIR / CONTENDERS).glob("*/derivation.json")):
+                proposals.setdefault(folder.parent.name, folder.parent)
+            ranked = [winner] + [v for v in tied_contenders(selection) if v in proposals]
+            contenders = ranked[:t.contenders]
             settings = TuneSettings(latency_slo_ms=serve.latency_slo_ms, objective=serve.objective,
                                     min_gain=serve.min_batch_gain, expected_concurrency=serve.expected_concurrency,
                                     rounds=t.rounds, measure_s=t.measure_s, warmup_requests=t.warmup_requests,
-                                    frontend=t.frontend,
-                                    side_by_side=fits_side_by_side(candidates, benchmark, env, serve.memory_share))
+                                    frontend=t.frontend)
             t_build = time.monotonic()
             with tempfile.TemporaryDirectory(prefix="tune-store-") as tmp:
-                # The winner as a folder-form model: each candidate rewrites its model-config.yaml.
-                folder = build_archive(params, selection_path=SELECTION_JSON, variants_dir=VARIANTS_DIR,
-                                       serve_dir=CONFIGURED_DIR, env_path=ENV_JSON, export_dir=Path(tmp) / "store",
-                                       archive_format="no-archive").path
-                base_yaml = yaml.safe_load((CONFIGURED_DIR / "model-config.yaml").read_text()) or {}
-                model = ServedModel(folder.parent, name, folder.name, CONFIGURED_DIR / "config.properties", base_yaml)
+                def served_model(variant: str) -> ServedModel:
+                    """The variant as a folder-form model: each candidate rewrites its model-config.yaml."""
+                    proposal = proposals[variant]
+                    folder = build_archive(params, selection_path=SELECTION_JSON, variants_dir=VARIANTS_DIR,
+                                           serve_dir=proposal, env_path=ENV_JSON,
+                                           export_dir=Path(tmp) / "store" / variant,
+                                           archive_format="no-archive", variant_name=variant).path
+                    base_yaml = yaml.safe_load((proposal / "model-config.yaml").read_text()) or {}
+                    return ServedModel(folder.parent, name, folder.name, proposal / "config.properties", base_yaml)
+
+                def operating_candidates(variant: str) -> tuple[list, dict]:
+                    benchmark = _read_json(BENCHMARK_METRICS / f"{variant}.json", f"the benchmark of {variant}")
+                    proposal = _read_json(proposals[variant] / "derivation.json", f"the proposal for {variant}")
+                    device = benchmark.get("device") or "cpu"
+                    cores = usable_cores(env)[0] if device == "cpu" else 0     # layouts share CPU cores only
+                    overridden = frozenset(k for k, v in proposal.items() if isinstance(v, dict) and v.get("overridden"))
+                    return candidates_from_curve(
+                        curve_from_benchmark(benchmark), values(proposal), slo_ms=serve.latency_slo_ms,
+                        headroom_share=serve.delay_headroom_share, expected_concurrency=serve.expected_concurrency,
+                        cores=cores, bench_threads=int(benchmark.get("threads") or 1), overridden=overridden,
+                        max_candidates=t.max_candidates), benchmark
+
+                contest = None
+                chosen = winner
                 build_s = time.monotonic() - t_build
+                if len(contenders) > 1:
+                    log.info("contest: %s are within the benchmark's noise of each other; serving each at its "
+                             "offline point", ", ".join(contenders))
+                    entries = [Contender(v, served_model(v), operating_candidates(v)[0][0]) for v in contenders]
+                    build_s = time.monotonic() - t_build
+                    bar = progress_bar(len(entries) * t.rounds, "tune: variant contest")
+                    try:
+                        contest = variant_contest(entries, cases, settings, workroot=Path(tmp) / "contest",
+                                                  progress=bar.update if bar is not None else None)
+                    finally:
+                        if bar is not None:
+                            bar.close()
+                    chosen = contest["chosen"]
+                    for c in contest["candidates"]:
+                        log.info("contest %-20s served %s req/s, p99 %s ms (spread %.0f%%)", c["variant"],
+                                 c["throughput_rps"], c["p99_ms"], 100 * c["throughput_spread"])
+                    for step in contest["decision_steps"]:
+                        log.info("contest decision: %s", step)
+                candidates, benchmark = operating_candidates(chosen)
+                log.info("candidates for %s: %s", chosen, "; ".join(f"{c.name} ({c.describe()})" for c in candidates))
+                settings = dataclasses.replace(
+                    settings, side_by_side=fits_side_by_side(candidates, benchmark, env, serve.memory_share))
+                t_built = time.monotonic()
+                model = served_model(chosen)
+                build_s += time.monotonic() - t_built
                 record = tune(model, cases, candidates, settings, workroot=Path(tmp) / "servers")
+            record["variant"] = chosen
+            record["variant_contest"] = contest
+            if contest:
+                record["duration_s"] = round(record["duration_s"] + contest["duration_s"], 1)
+                record["server_starts"] += contest["server_starts"]
             record["build_s"] = round(build_s, 2)
             record["predicted_slo_met"] = selection.get("slo_met")
+            configured = _read_json(proposals[chosen] / "derivation.json", f"the proposal for {chosen}")
+            if chosen != winner:
+                source = (f"Served winner: {chosen}, which served better beyond the noise than selection's "
+                          f"{winner} in TorchServe (SLO {serve.latency_slo_ms:g} ms; see tuning.json).")
             derivation = tuned_derivation(configured, record)
         write_serve_files(SERVE_DIR, derivation, model_name=name, serve=serve, model_store=model_store,
                           source=source, frontend=frontend_properties(derivation))
@@ -130,8 +178,10 @@ def _metrics(record: dict) -> dict:
     """The flat figures `dvc exp show` compares."""
     keys = ("slo_met", "served_p99_ms", "served_throughput_rps", "predicted_request_p99_ms",
             "littles_law_floor_ms", "inflight_within_slo", "replicas", "duration_s", "server_starts",
-            "replaced_offline", "chosen_name")
+            "replaced_offline", "chosen_name", "variant")
     out = {k: record.get(k) for k in keys}
+    contest = record.get("variant_contest")
+    out["variant_replaced_selection"] = bool(contest and contest.get("replaced_selection"))
     out["chosen"] = record.get("chosen")
     return out
 

@@ -244,10 +244,10 @@ def test_real_torchserve_serves_the_tensor_archive(tmp_path, tensor_build):
     with TorchServe(None, store, "signalnet", models="signalnet=signalnet.mar",
                     workdir=tmp_path / "ts") as server:
         assert server.readiness.ready_s > 0
-        ok = server.predict(body.encode(), "application/json")
+        ok = server.api.predict(body.encode(), "application/json")
         assert ok.status == 200, ok.body[:500]
         np.testing.assert_allclose(ok.json(), want, atol=1e-5)
-        bad = server.predict(b"[[1, 2]]", "application/json")
+        bad = server.api.predict(b"[[1, 2]]", "application/json")
         assert bad.status == 400 and "shape" in bad.json()["error"]
-        again = server.predict(body.encode(), "application/json")     # the worker survived
+        again = server.api.predict(body.encode(), "application/json")     # the worker survived
         assert again.status == 200

@@ -262,7 +262,7 @@ def test_external_data_onnx_served_by_the_onnx_handler_from_mar_and_folder(tmp_p
                         workdir=tmp_path / f"server-{i}")
         with ts:
             for x, want in zip(batch.feeds["input"], batch.outputs[0]):
-                r = ts.predict(json.dumps(x.tolist()).encode(), "application/json")
+                r = ts.api.predict(json.dumps(x.tolist()).encode(), "application/json")
                 assert r.status == 200, (models, r.body[:300])
                 np.testing.assert_allclose(np.asarray(r.json(), dtype=np.float32), want, atol=1e-4, rtol=1e-3)
         ts.cleanup()

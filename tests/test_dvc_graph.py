@@ -182,6 +182,57 @@ def test_every_declared_param_is_in_params_yaml(params_file):
     assert not missing, f"declared in dvc.yaml but missing from {params_file} (add them with their default): {missing}"
 
 
+# Modules every stage imports that hold no computation of its outputs: declaring them would re-run
+# the whole pipeline for a docstring in params validation or a path constant.
+INFRASTRUCTURE = {"pipeline/params.py", "pipeline/paths.py", "pipeline/stage_record.py"}
+
+
+def _imported_files(start: Path) -> set[Path]:
+    """The project files a module imports, transitively (function-level imports included)."""
+    import ast
+
+    def file_of(module: str):
+        for candidate in (REPO_ROOT / (module.replace(".", "/") + ".py"),
+                          REPO_ROOT / module.replace(".", "/") / "__init__.py"):
+            if candidate.exists():
+                return candidate
+        return None
+
+    seen, todo = set(), [start]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                if name.split(".")[0] in ("pipeline", "handlers", "stages") and (found := file_of(name)):
+                    todo.append(found)
+    return seen
+
+
+def test_every_stage_declares_the_code_it_runs():
+    """A change to any module a stage's script imports must re-run that stage: an int8 gate edit that
+    left the conversions cached would keep shipping the old verdict."""
+    dvc_yaml = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())
+    undeclared = {}
+    for name, spec in dvc_yaml["stages"].items():
+        body = spec.get("do", spec)
+        module = body["cmd"].split("-m ", 1)[1].split()[0]
+        deps = [d.rstrip("/") for d in _entries(body.get("deps"))]
+        files = _imported_files(REPO_ROOT / (module.replace(".", "/") + ".py"))
+        missing = sorted(rel for f in files if (rel := f.relative_to(REPO_ROOT).as_posix()) not in INFRASTRUCTURE
+                         and f.name != "__init__.py" and not any(rel == d or rel.startswith(d + "/") for d in deps))
+        if missing:
+            undeclared[name] = missing
+    assert not undeclared, f"stages import code they do not declare as deps in dvc.yaml: {undeclared}"
+
+
 def test_serve_change_reruns_only_the_serving_chain(graph_repo):
     repo, stages = graph_repo
     ran = exp_run(repo, "serve.latency_slo_ms=50")

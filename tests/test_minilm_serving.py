@@ -61,15 +61,15 @@ def test_torchserve_serves_minilm_with_reference_embeddings(tmp_path, minilm_sto
     with TorchServe(None, store, "minilm", models="minilm=minilm.mar", workdir=tmp_path / "ts") as server:
         for case in cases:
             body = case["body"].encode() if isinstance(case["body"], str) else json.dumps(case["body"]).encode()
-            r = server.predict(body, case["content_type"])
+            r = server.api.predict(body, case["content_type"])
             assert r.status == 200, r.body[:300]
             got = np.asarray(r.json()["embedding"])
             want = np.asarray(case["expected"]["embedding"])
             assert got.shape == want.shape == (384,)
             assert float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want))) > 0.9999
-        empty = server.predict(b"", "text/plain")
+        empty = server.api.predict(b"", "text/plain")
         assert 400 <= empty.status < 500 and "error" in empty.json()
-        guitar = server.predict(json.dumps({"text": "A man is playing a guitar."}).encode(), "application/json")
-        strum = server.predict(b"Someone is strumming a guitar.", "text/plain")
+        guitar = server.api.predict(json.dumps({"text": "A man is playing a guitar."}).encode(), "application/json")
+        strum = server.api.predict(b"Someone is strumming a guitar.", "text/plain")
         a, b = (np.asarray(x.json()["embedding"]) for x in (guitar, strum))
         assert abs(float(a @ b) - 0.72) < 0.02          # stack.md's sanity figure, through HTTP

@@ -265,10 +265,10 @@ def test_torchserve_loads_the_model_from_the_kserve_snapshot(tmp_path):
     layout = build_layout("tiny", mar, MODEL_CONFIG, DERIVATION, tmp_path / "kserve")
     with TorchServe(layout.config_properties, layout.mar.parent, "tiny", workdir=tmp_path / "ts",
                     ready_timeout_s=120) as ts:
-        d = ts.describe_model()
+        d = ts.api.describe_model()
         assert (d["batchSize"], d["maxBatchDelay"], d["minWorkers"], d["maxWorkers"]) == (4, 7, 1, 1)
         assert d["responseTimeout"] == 11
-        r = ts.predict(b'{"x": 1}', "application/json")
+        r = ts.api.predict(b'{"x": 1}', "application/json")
         assert r.status == 200 and r.json() == {"batch": 1}
 
 

@@ -116,7 +116,7 @@ def test_ready_and_generated_settings_took_effect(served):
     assert ready.ready_s > 0 and ready.worker_load_ms and ready.worker_load_ms > 0
     # READY is observed after the worker loaded, and the clock started before java did.
     assert ready.ready_s * 1000 >= ready.worker_load_ms
-    d = served.describe_model()
+    d = served.api.describe_model()
     assert (d["batchSize"], d["maxBatchDelay"]) == (4, 300)
     assert (d["minWorkers"], d["maxWorkers"]) == (1, 1)
     assert (d["responseTimeout"], d["startupTimeout"]) == (7, 23)
@@ -148,12 +148,12 @@ def test_token_authorization_is_on(served):
     no_token = Client(served.ports.inference, None)
     wrong = Client(served.ports.inference, "not-the-key")
     try:
-        assert 400 <= no_token.request("POST", served.predictions_path(), body, ct).status < 500
-        assert 400 <= wrong.request("POST", served.predictions_path(), body, ct).status < 500
+        assert 400 <= no_token.request("POST", served.api.predictions_path(), body, ct).status < 500
+        assert 400 <= wrong.request("POST", served.api.predictions_path(), body, ct).status < 500
     finally:
         no_token.close()
         wrong.close()
-    r = served.predict(body, ct)
+    r = served.api.predict(body, ct)
     assert r.status == 200 and r.json() == [2, 4, 6] and r.request_id
 
 
@@ -163,9 +163,9 @@ def test_concurrent_requests_form_batches_seen_in_logs(served):
     ids = [None] * n
 
     def send(i):
-        c = served.client()
+        c = served.api.client()
         barrier.wait()
-        r = c.request("POST", served.predictions_path(), f"[{i}, 1, 2]".encode(), "application/json")
+        r = c.request("POST", served.api.predictions_path(), f"[{i}, 1, 2]".encode(), "application/json")
         assert r.status == 200 and r.json() == [2 * i, 2, 4]
         ids[i] = r.request_id
         c.close()
@@ -175,7 +175,7 @@ def test_concurrent_requests_form_batches_seen_in_logs(served):
         t.start()
     for t in threads:
         t.join()
-    sizes = served.batch_sizes_for(ids)
+    sizes = served.log.batch_sizes_for(ids)
     assert sum(size * count for size, count in sizes.items()) == n   # every request in exactly one batch
     assert max(sizes) > 1 and max(sizes) <= 4                          # batched, never above batchSize
 
@@ -184,13 +184,13 @@ def test_bad_request_is_4xx_and_worker_stays_up(served):
     before = served.worker_pids()
     for body, ct in ((b'{"not": "a list"}', "application/json"), (b"[1, 2", "application/json"),
                      (b"[1, 2]", "application/json"), (b"", "application/json")):
-        r = served.predict(body, ct)
+        r = served.api.predict(body, ct)
         assert r.status == 400, (body, r.status, r.body)
         assert "send a JSON list" in r.json()["error"]
     # Over max_request_size (4096 from the generated config): the frontend refuses it.
-    assert served.predict(b"[" + b"1," * 4000 + b"1]", "application/json").status == 413
+    assert served.api.predict(b"[" + b"1," * 4000 + b"1]", "application/json").status == 413
     assert served.worker_pids() == before
-    assert served.predict(b"[1, 2, 3]", "application/json").json() == [2, 4, 6]
+    assert served.api.predict(b"[1, 2, 3]", "application/json").json() == [2, 4, 6]
 
 
 def test_load_over_startup_timeout_is_reported_not_hung(tmp_path):

@@ -21,8 +21,8 @@ from pipeline.archive import package
 from pipeline.properties import write_config_properties
 from pipeline.serve_check import HttpCase
 from pipeline.serve_config import CurvePoint
-from pipeline.tuning import (CandidateResult, OperatingCandidate, ServedModel, TuneSettings, candidates_from_curve,
-                             decide, slo_verdict, tune, tuned_derivation)
+from pipeline.tuning import (CandidateResult, Contender, OperatingCandidate, ServedModel, TuneSettings,
+                             candidates_from_curve, decide, slo_verdict, tune, tuned_derivation, variant_contest)
 from tests.test_torchserve import DERIVED
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
@@ -197,6 +197,40 @@ def test_infeasible_slo_is_not_met_with_the_replica_count(cost_model, tmp_path):
     assert rec["replicas"] == math.ceil(8 / inflight)
     assert f"replicas = ceil(8 / {inflight}) = {rec['replicas']}" in rec["message"]
     _no_server_left()
+
+
+@pytest.mark.torchserve
+@needs_java
+def test_variant_contest_serves_the_offline_tie_and_the_faster_variant_replaces_the_winner(cost_model, tmp_path):
+    """Selection's winner ("slow": 60 ms per call) and a variant it could not tell apart offline
+    ("fast": 5 ms per call) served at the same point: the server decides, beyond the noise."""
+    def variant(name: str, fixed_ms: float) -> ServedModel:
+        store = tmp_path / name
+        shutil.copytree(cost_model.store, store)
+        return dataclasses.replace(cost_model, store=store, base_yaml={
+            **cost_model.base_yaml, "handler": {"threads": 1, "fixed_ms": fixed_ms, "per_item_ms": 0}})
+
+    point = _cand("offline choice", 1, origin="offline")
+    entries = [Contender("slow", variant("slow", 60), point), Contender("fast", variant("fast", 5), point)]
+    s = TuneSettings(latency_slo_ms=5000, expected_concurrency=4, rounds=2, measure_s=1.0, warmup_requests=4,
+                     frontend=False)
+    rec = variant_contest(entries, CASES, s, workroot=tmp_path / "contest")
+    by = {c["variant"]: c for c in rec["candidates"]}
+    assert rec["contenders"] == ["slow", "fast"] and len(by["fast"]["rounds"]) == 2
+    assert by["fast"]["throughput_rps"] > 2 * by["slow"]["throughput_rps"], rec["candidates"]
+    assert rec["chosen"] == "fast" and rec["replaced_selection"] is True
+    assert any("beyond the noise" in step and "taken" in step for step in rec["decision_steps"])
+    assert rec["server_starts"] == 4 and rec["duration_s"] > 0       # a fresh server per measurement
+    _no_server_left()
+
+
+def test_the_contenders_are_selections_tie_closest_first():
+    from pipeline.selection import tied_contenders
+    selection = {"winner": "onnx", "tie_break": {"within_noise": [
+        {"variant": "onnx-int8-dynamic", "relative_gap": 0.0}, {"variant": "int8", "relative_gap": 0.15},
+        {"variant": "onnx", "relative_gap": 0.23}, {"variant": "onnx-int8-static", "relative_gap": 0.04}]}}
+    assert tied_contenders(selection) == ["onnx-int8-dynamic", "onnx-int8-static", "int8"]
+    assert tied_contenders({"winner": "onnx", "tie_break": None}) == []
 
 
 # --------------------------------------------------------------------------- the stage, end to end
