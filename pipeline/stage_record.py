@@ -15,6 +15,7 @@ timings itself, so this is the pipeline's own account of where a run's minutes g
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -37,13 +38,14 @@ def _peak_rss_mb(who: int) -> float:
 
 
 def _root_from_argv(argv: list[str]) -> Path:
-    """Stages run on another tree (`--root DIR`: report, kserve) record under DIR/metrics/stages."""
+    """Stages run on another tree (`--root DIR`: report, kserve) record under DIR/metrics/stages;
+    $PIPELINE_STAGE_METRICS redirects the rest (the tests run stage scripts outside the pipeline)."""
     for i, arg in enumerate(argv):
         if arg == "--root" and i + 1 < len(argv):
             return Path(argv[i + 1]) / "metrics" / "stages"
         if arg.startswith("--root="):
             return Path(arg.split("=", 1)[1]) / "metrics" / "stages"
-    return STAGE_METRICS
+    return Path(os.environ.get("PIPELINE_STAGE_METRICS") or STAGE_METRICS)
 
 
 def run_timed(stage: str, main: Callable[[], Optional[int]], item: Optional[str] = None,

@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,9 @@ if str(REPO_ROOT) not in sys.path:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Stage scripts the tests run (in-process or as subprocesses) record their wall time here, not in
+# the repo's metrics/stages/ (the pipeline's own committed records).
+os.environ.setdefault("PIPELINE_STAGE_METRICS", tempfile.mkdtemp(prefix="test-stage-metrics-"))
 
 from pipeline.params import parse_params  # noqa: E402
 
