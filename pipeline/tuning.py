@@ -247,9 +247,10 @@ def decide(results: list[CandidateResult], *, objective: str, slo_ms: float, min
         band = noise_band(best, incumbent, "p99_ms", min_gain)
         gain = 1 - best.p99 / incumbent.p99 if incumbent.p99 else 0.0
         chosen = best if best is not incumbent and gain > band else incumbent
+        versus = ("the incumbent" if best is incumbent else
+                  f"{gain:.1%} below {incumbent.candidate.name}, noise band {band:.1%}")
         steps.append(f"no candidate's served p99 is within the SLO {slo_ms:g} ms; lowest p99: {best.candidate.name} "
-                     f"({best.p99:.1f} ms, {gain:.1%} below {incumbent.candidate.name}, noise band {band:.1%}): "
-                     f"{chosen.candidate.name} is served")
+                     f"({best.p99:.1f} ms, {versus}): {chosen.candidate.name} is served")
         if key == "throughput_rps":
             # Replicas will be needed anyway: a point that serves more beyond the noise without a worse
             # p99 (beyond the noise) needs fewer of them, so it is taken.
