@@ -339,3 +339,42 @@ def test_report_shows_int8_accuracy_beside_its_speed():
     md = render_markdown(accuracy_trade_blocks(inputs), None)
     row = next(line for line in md.splitlines() if line.startswith("| onnx-int8-dynamic"))
     assert "recall@10 1" in row and "1 of 4" in row and "| 1.5 |" in row
+
+
+def test_the_sensitivity_ranking_spends_the_budget_not_more():
+    """On a big model one ranking forward per op can cost more than the whole budget (bert-large:
+    144 ops, 218 s against 120 s): the ranking stops at the budget, the ops it did not reach keep
+    their graph order, and the search returns within the budget (+ one attempt)."""
+    import time
+
+    from pipeline.variants.sensitivity import Calibration, search
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    cal = Calibration([{"x": x}], [[x]], ["y"], "tensor")
+    ops = [f"op{i}" for i in range(40)]
+    calls = []
+
+    def quantize(exclude, only):
+        return len(exclude)
+
+    def run(kept, on):
+        # Far off unless 30 ops are kept: whole-model misses, so the search ranks and then searches.
+        return [[x + (0.0 if kept >= 30 else 1.0)]]
+
+    def op_errors(candidates, deadline):
+        out = {}
+        for op in candidates:
+            if time.perf_counter() > deadline:
+                break
+            time.sleep(0.05)
+            calls.append(op)
+            out[op] = float(len(out))
+        return out
+
+    tol = Tolerance(atol=0.05, rtol=0.1, min_cosine=0.995)
+    t0 = time.perf_counter()
+    _, record = search(ops, quantize, run, cal, tol, 0.99, budget_s=0.5, max_fp32_share=1.0, op_errors=op_errors)
+    took = time.perf_counter() - t0
+    sens = record["sensitivity"]
+    assert 0 < sens["measured"] < len(ops) == sens["of"] and len(calls) == sens["measured"]
+    assert record["stopped_by"] == "budget" and took < 0.5 + 0.5          # not 40 × 0.05 s = 2 s of ranking

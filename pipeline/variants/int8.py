@@ -34,7 +34,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -185,9 +187,9 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
                 runner = _OrtRunner(path)
                 return [runner.run(f) for f in on.feeds]
 
-            def op_errors(ops: list[str]) -> dict[str, float]:
+            def op_errors(ops: list[str], deadline: float) -> dict[str, float]:
                 return onnx_op_errors(fp32, ops, cal, self._reduce_range(), self._q().per_channel,
-                                      static=self.scheme != "dynamic")
+                                      static=self.scheme != "dynamic", deadline=deadline)
 
             chosen, record = self.run_search(candidates, quantize, run, cal, op_errors)
             q = self._q()
@@ -258,7 +260,7 @@ def weight_nodes(path: Path) -> list[str]:
 
 
 def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, reduce_range: bool,
-                   per_channel: bool, static: bool) -> dict[str, float]:
+                   per_channel: bool, static: bool, deadline: float = math.inf) -> dict[str, float]:
     """Each op's effect on the model's outputs when only it is int8 (fake-quantized: its input through
     u8 QDQ — DynamicQuantizeLinear, or for `static` QuantizeLinear over the input's min/max on the
     ranking batches — and its weight s8 per channel), from ONE session: the graph gets a switch per op
@@ -329,6 +331,8 @@ def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, reduce_range: b
                                t + "z": np.asarray(min(levels, max(0, round(-lo / scale))), np.uint8)}
     errors: dict[str, float] = {}
     for n in nodes:
+        if time.perf_counter() > deadline:
+            break           # the ops not reached keep their graph order (pipeline/variants/sensitivity.py)
         w = torch.from_numpy(numpy_helper.to_array(inits[n.input[1]], base_dir=str(path.parent)).astype(np.float32))
         wq = fake_quant_weight(w, weight_axis[n.name] if per_channel else None, reduce_range).numpy()
         got = [[np.asarray(o, np.float32) for o in session.run(outputs, {**f, **qparams[n.name], n.input[1]: wq,
@@ -408,7 +412,7 @@ class TorchInt8Converter(Int8Mixin, TorchScriptConverter):
         def run(module, on: Calibration):
             return [run_reference(dataclasses.replace(loaded, module=module), f) for f in on.feeds]
 
-        def op_errors(ops: list[str]) -> dict[str, float]:
+        def op_errors(ops: list[str], deadline: float = math.inf) -> dict[str, float]:
             """Each Linear's effect on the outputs when only it is int8 (input u8 per call, weight s8,
             fake-quantized in the eager model): one forward pass per op, no copy of the model."""
             from pipeline.variants.sensitivity import fake_quant_activation, fake_quant_weight, output_error
@@ -417,6 +421,8 @@ class TorchInt8Converter(Int8Mixin, TorchScriptConverter):
             axis = 0 if self._q().per_channel else None
             errors = {}
             for n in ops:
+                if time.perf_counter() > deadline:
+                    break       # the ops not reached keep their graph order
                 m = mods[n]
                 fp32_weight = m.weight.data
                 hook = m.register_forward_pre_hook(

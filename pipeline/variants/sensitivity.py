@@ -110,10 +110,11 @@ def _figures(v) -> dict:
 def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[str]]], Any],
            run: Callable[[Any], Outputs], cal: Calibration, tol: Tolerance, min_topk_agreement: float,
            budget_s: float, max_fp32_share: float,
-           op_errors: Optional[Callable[[list[str]], dict[str, float]]] = None,
+           op_errors: Optional[Callable[[list[str], float], dict[str, float]]] = None,
            state: Optional[dict] = None) -> tuple[Any, dict]:
     """→ (the chosen quantized handle, the record for variant.json/conversion.json).
-    `op_errors(candidates)` → each op's proxy error (one pass; see the module docstring)."""
+    `op_errors(candidates, deadline)` → each op's proxy error (one pass; see the module docstring),
+    for the ops it reached before `deadline` (time.perf_counter())."""
     state = {} if state is None else state
     budget_s = max(0.0, budget_s - state.get("spent_s", 0.0))    # one budget over all build methods
     t0 = time.perf_counter()
@@ -186,7 +187,9 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
 def _rank(candidates, quantize, run, cal, t0, budget_s, op_errors):
     """→ (ops most sensitive first, [(op, error)] measured, how)."""
     if op_errors is not None:
-        errors = op_errors(candidates)
+        # The ranking spends the same budget: on a big model one forward per op can cost more than
+        # the whole budget (bert-large: 144 ops, 218 s); ops not reached follow in graph order.
+        errors = op_errors(candidates, t0 + budget_s)
         measured = sorted(errors.items(), key=lambda e: -e[1])
         seen = set(errors)
         return ([op for op, _ in measured] + [op for op in candidates if op not in seen], measured,
