@@ -72,56 +72,17 @@ def main(argv: list[str] | None = None) -> int:
                                     frontend=t.frontend)
             t_build = time.monotonic()
             with tempfile.TemporaryDirectory(prefix="tune-store-") as tmp:
-                def served_model(variant: str) -> ServedModel:
-                    """The variant as a folder-form model: each candidate rewrites its model-config.yaml."""
-                    proposal = proposals[variant]
-                    folder = build_archive(params, selection_path=SELECTION_JSON, variants_dir=VARIANTS_DIR,
-                                           serve_dir=proposal, env_path=ENV_JSON,
-                                           export_dir=Path(tmp) / "store" / variant,
-                                           archive_format="no-archive", variant_name=variant).path
-                    base_yaml = yaml.safe_load((proposal / "model-config.yaml").read_text()) or {}
-                    return ServedModel(folder.parent, name, folder.name, proposal / "config.properties", base_yaml)
-
-                def operating_candidates(variant: str) -> tuple[list, dict]:
-                    benchmark = _read_json(BENCHMARK_METRICS / f"{variant}.json", f"the benchmark of {variant}")
-                    proposal = _read_json(proposals[variant] / "derivation.json", f"the proposal for {variant}")
-                    device = benchmark.get("device") or "cpu"
-                    cores = usable_cores(env)[0] if device == "cpu" else 0     # layouts share CPU cores only
-                    overridden = frozenset(k for k, v in proposal.items() if isinstance(v, dict) and v.get("overridden"))
-                    return candidates_from_curve(
-                        curve_from_benchmark(benchmark), values(proposal), slo_ms=serve.latency_slo_ms,
-                        headroom_share=serve.delay_headroom_share, expected_concurrency=serve.expected_concurrency,
-                        cores=cores, bench_threads=int(benchmark.get("threads") or 1), overridden=overridden,
-                        max_candidates=t.max_candidates), benchmark
-
+                store = Path(tmp) / "store"
                 contest = None
-                chosen = winner
-                build_s = time.monotonic() - t_build
                 if len(contenders) > 1:
-                    log.info("contest: %s are within the benchmark's noise of each other; serving each at its "
-                             "offline point", ", ".join(contenders))
-                    entries = [Contender(v, served_model(v), operating_candidates(v)[0][0]) for v in contenders]
-                    build_s = time.monotonic() - t_build
-                    bar = progress_bar(len(entries) * t.rounds, "tune: variant contest")
-                    try:
-                        contest = variant_contest(entries, cases, settings, workroot=Path(tmp) / "contest",
-                                                  progress=bar.update if bar is not None else None)
-                    finally:
-                        if bar is not None:
-                            bar.close()
-                    chosen = contest["chosen"]
-                    for c in contest["candidates"]:
-                        log.info("contest %-20s served %s req/s, p99 %s ms (spread %.0f%%)", c["variant"],
-                                 c["throughput_rps"], c["p99_ms"], 100 * c["throughput_spread"])
-                    for step in contest["decision_steps"]:
-                        log.info("contest decision: %s", step)
-                candidates, benchmark = operating_candidates(chosen)
+                    contest = run_contest(params, env, proposals, contenders, cases, settings, store, Path(tmp))
+                chosen = contest["chosen"] if contest else winner
+                candidates, benchmark = operating_candidates(params, env, proposals[chosen], chosen)
                 log.info("candidates for %s: %s", chosen, "; ".join(f"{c.name} ({c.describe()})" for c in candidates))
                 settings = dataclasses.replace(
                     settings, side_by_side=fits_side_by_side(candidates, benchmark, env, serve.memory_share))
-                t_built = time.monotonic()
-                model = served_model(chosen)
-                build_s += time.monotonic() - t_built
+                model = served_model(params, proposals[chosen], chosen, store)
+                build_s = time.monotonic() - t_build - (contest["duration_s"] if contest else 0.0)
                 record = tune(model, cases, candidates, settings, workroot=Path(tmp) / "servers")
             record["variant"] = chosen
             record["variant_contest"] = contest
@@ -155,6 +116,52 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tune: error: {record.get('message')} — failing because serve.require_slo is true", file=sys.stderr)
         return 1
     return 0
+
+
+def served_model(params, proposal: Path, variant: str, store: Path) -> ServedModel:
+    """`variant` as a folder-form model in its own store: each candidate rewrites its model-config.yaml."""
+    folder = build_archive(params, selection_path=SELECTION_JSON, variants_dir=VARIANTS_DIR, serve_dir=proposal,
+                           env_path=ENV_JSON, export_dir=store / variant, archive_format="no-archive",
+                           variant_name=variant).path
+    base_yaml = yaml.safe_load((proposal / "model-config.yaml").read_text()) or {}
+    return ServedModel(folder.parent, params.model.name, folder.name, proposal / "config.properties", base_yaml)
+
+
+def operating_candidates(params, env: dict, proposal: Path, variant: str) -> tuple[list, dict]:
+    """The operating points to serve for `variant` (offline choice first) from its configure proposal
+    and benchmark curve, and that benchmark record."""
+    serve = params.serve
+    benchmark = _read_json(BENCHMARK_METRICS / f"{variant}.json", f"the benchmark of {variant}")
+    derivation = _read_json(proposal / "derivation.json", f"the proposal for {variant}")
+    cores = usable_cores(env)[0] if (benchmark.get("device") or "cpu") == "cpu" else 0   # layouts share CPU cores only
+    overridden = frozenset(k for k, v in derivation.items() if isinstance(v, dict) and v.get("overridden"))
+    return candidates_from_curve(
+        curve_from_benchmark(benchmark), values(derivation), slo_ms=serve.latency_slo_ms,
+        headroom_share=serve.delay_headroom_share, expected_concurrency=serve.expected_concurrency,
+        cores=cores, bench_threads=int(benchmark.get("threads") or 1), overridden=overridden,
+        max_candidates=params.tune.max_candidates), benchmark
+
+
+def run_contest(params, env: dict, proposals: dict, contenders: list[str], cases, settings: TuneSettings,
+                store: Path, tmp: Path) -> dict:
+    """Serve the variants tied offline against each other (pipeline.tuning.variant_contest), logged."""
+    log.info("contest: %s are within the benchmark's noise of each other; serving each at its offline point",
+             ", ".join(contenders))
+    entries = [Contender(v, served_model(params, proposals[v], v, store),
+                         operating_candidates(params, env, proposals[v], v)[0][0]) for v in contenders]
+    bar = progress_bar(len(entries) * settings.rounds, "tune: variant contest")
+    try:
+        contest = variant_contest(entries, cases, settings, workroot=tmp / "contest",
+                                  progress=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    for c in contest["candidates"]:
+        log.info("contest %-20s served %s req/s, p99 %s ms (spread %.0f%%)", c["variant"], c["throughput_rps"],
+                 c["p99_ms"], 100 * c["throughput_spread"])
+    for step in contest["decision_steps"]:
+        log.info("contest decision: %s", step)
+    return contest
 
 
 def fits_side_by_side(candidates, benchmark: dict, env: dict, memory_share: float) -> bool:
