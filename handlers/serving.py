@@ -227,10 +227,15 @@ class ServingHandler(ABC):
             "total": round((t_warm - t0) * 1000.0, 2),
         })
         self.load_breakdown_ms = phases
-        log.info("[load] variant=%s family=%s format=%s dtype=%s device=%s threads=%s: %s",
+        # Weights pre-packed at build time are used only on a host that packs alike (runtime_onnx).
+        packed = ("" if not self.variant.get("prepacked") else
+                  " prepacked=" + ("yes" if getattr(self.runtime, "prepacked", False) else "no"))
+        log.info("[load] variant=%s family=%s format=%s dtype=%s device=%s threads=%s%s: %s",
                  self.variant.get("variant"), self.variant["family"], self.variant.get("format"),
-                 self.variant.get("dtype"), self.device, self.settings["threads"] or "runtime default",
+                 self.variant.get("dtype"), self.device, self.settings["threads"] or "runtime default", packed,
                  " ".join(f"{k}={v}ms" for k, v in phases.items()))
+        if getattr(self.runtime, "prepack_note", None):
+            log.warning("[load] %s", self.runtime.prepack_note)
         self.initialized = True
 
     @abstractmethod

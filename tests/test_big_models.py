@@ -1,8 +1,8 @@
 """Big-model loading and conversion (issue 13) on generated models of a few hundred MB, built in
 tmp dirs: sharded checkpoints load like single files, unused missing weights are accepted while a
 used one is refused, ONNX external data is verified and loaded from its folder, and the plan
-screen records a skip with its measured reason. One `slow` test takes a >2 GB model through a
-verified external-data ONNX variant."""
+screen records a skip with its measured reason. (The >2 GB model is in tests/test_big_serving.py:
+verified and served.)"""
 from __future__ import annotations
 
 import importlib.util
@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from handlers.runtime import load_runtime
+from handlers.runtime_onnx import packing_host
 from pipeline.checkpoint import CheckpointError, load_model, probe_args
 from pipeline.variants.build import build_variant
 from pipeline.variants.onnx import OnnxConverter
@@ -136,9 +137,9 @@ def wide_mlp(features: int, hidden: int, layers: int) -> nn.Module:
     return nn.Sequential(*mods[:-1])
 
 
-def build_external_onnx(params, tmp_path, module, features, min_bytes):
+def build_external_onnx(params, tmp_path, module, features, min_bytes, prepack: bool = True):
     loaded, golden = tensor_case(module, features, batch_sizes=(1, 3))
-    converter = OnnxConverter(OnnxConverter.Options(external_data_min_bytes=min_bytes))
+    converter = OnnxConverter(OnnxConverter.Options(external_data_min_bytes=min_bytes, prepack=prepack))
     out = tmp_path / "onnx"
     record = build_variant(converter, loaded, golden, out, "cpu", tolerance_for(params, "float32"),
                            params.conversion.min_topk_agreement)
@@ -157,19 +158,35 @@ def test_external_data_onnx_is_verified_listed_and_loads_from_its_folder(tensor_
     assert "model.onnx.data" in variant["files"]
     data_bytes = (out / "model.onnx.data").stat().st_size
     assert data_bytes > 150e6 and (out / "model.onnx").stat().st_size < 10e6   # the tensors are outside
-    assert record["artifact_bytes"] == data_bytes + (out / "model.onnx").stat().st_size
+    assert record["artifact_bytes"] == sum((out / f).stat().st_size for f in ("model.onnx", "model.onnx.data",
+                                                                              "model.prepacked.onnx"))
+
+    # ORT's packed layout for this host ships in the same data file, named by a second graph.
+    packed = variant["prepacked"]
+    assert packed["artifact"] == "model.prepacked.onnx" and "model.prepacked.onnx" in variant["files"]
+    assert packed["weights"] >= 5 and packed["packed_bytes"] > 100e6 and packed["host"] == packing_host()
 
     # The runtime loads it from wherever the folder is (ORT resolves the data beside model.onnx).
     moved = tmp_path / "elsewhere"
     shutil.move(str(out), moved)
     runtime = load_runtime(moved, threads=1)
+    assert runtime.prepacked and runtime.prepack_note is None
     got = runtime.run(golden.batches[1].feeds)[0]
     np.testing.assert_allclose(got, golden.batches[1].outputs[0], atol=1e-4, rtol=1e-3)
     runtime.close()
 
+    # A host that packs differently (here: one CPU feature fewer) gets the portable graph, same outputs.
+    other = {**variant, "prepacked": {**packed, "host": {**packed["host"],
+                                                          "features": packed["host"]["features"][1:]}}}
+    (moved / "variant.json").write_text(json.dumps(other))
+    runtime = load_runtime(moved, threads=1)
+    assert not runtime.prepacked and "CPU features +" in runtime.prepack_note
+    np.testing.assert_allclose(runtime.run(golden.batches[1].feeds)[0], got, atol=1e-5, rtol=1e-5)
+    runtime.close()
+
     # Without its data file the folder is refused with the fix, not an ORT error.
     (moved / "model.onnx.data").unlink()
-    with pytest.raises(Exception, match="external data file"):
+    with pytest.raises(Exception, match="model.onnx.data.*missing"):
         load_runtime(moved)
 
 
@@ -189,6 +206,7 @@ def test_small_models_stay_one_file(tensor_params, tmp_path):
     assert record["status"] == "converted", record["reason"]
     variant = json.loads((out / "variant.json").read_text())
     assert variant["external_data"] == [] and not (out / "model.onnx.data").exists()
+    assert "prepacked" not in variant                  # the packed layouts would need a data file
 
 
 # --------------------------------------------------------------------------- the plan's screen
@@ -272,21 +290,3 @@ def test_big_models_verify_one_golden_batch_per_size(tensor_params):
     big = dataclasses.replace(tensor_params, conversion=dataclasses.replace(tensor_params.conversion, big_model_mb=0.01))
     kept = bounded_golden(golden, loaded, big).batches
     assert [b.batch_size for b in kept] == [1, 4, 2]                          # every size still runs once
-
-
-@pytest.mark.slow
-def test_model_over_2gb_gets_a_verified_external_data_onnx_variant(tensor_params, tmp_path):
-    """Protobuf cannot hold 2 GiB: with the default threshold such a model's ONNX variant keeps its
-    tensors in model.onnx.data, verifies at every batch size and loads from its folder."""
-    torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(16384, 16384), nn.Tanh(), nn.Linear(16384, 16384))   # 2 GiB + biases
-    record, out, golden = build_external_onnx(tensor_params, tmp_path, module, 16384,
-                                              min_bytes=OnnxConverter.Options().external_data_min_bytes)
-    del module
-    assert record["status"] == "converted", record["reason"]
-    assert record["verification"]["batch_sizes"] == [1, 3]
-    assert (out / "model.onnx.data").stat().st_size > 2**31 and (out / "model.onnx").stat().st_size < 2**20
-    runtime = load_runtime(out, threads=2)
-    np.testing.assert_allclose(runtime.run(golden.batches[0].feeds)[0], golden.batches[0].outputs[0],
-                               atol=1e-4, rtol=1e-3)
-    runtime.close()

@@ -230,34 +230,51 @@ def test_worker_missing_a_too_short_startup_timeout_is_reported_with_the_timeout
 def test_external_data_onnx_served_by_the_onnx_handler_from_mar_and_folder(tmp_path, tensor_params):
     """An ONNX variant with its tensors in model.onnx.data (external data, forced here by a low
     threshold on a small MLP) is archived with its data file and answers like the reference in a
-    real TorchServe, from the .mar (unpacked by TorchServe) and from the unpacked folder."""
+    real TorchServe, from the .mar (unpacked by TorchServe) and from the unpacked folder; on this
+    host the handler's session uses the weights pre-packed at build time."""
+    from tests.test_big_models import build_external_onnx, wide_mlp
+
+    record, out, golden = build_external_onnx(tensor_params, tmp_path, wide_mlp(16, 256, 3), 16, min_bytes=1 << 16)
+    assert record["status"] == "converted", record["reason"]
+    serve_external_onnx(tmp_path, tensor_params, out, golden, forms=("mar", "folder"))
+
+
+def serve_external_onnx(tmp_path, params, out, golden, forms, archive_format="zip-store"):
+    """Archive the external-data ONNX variant in `out` as the winner, serve it from each store form
+    in a real TorchServe, and check every sample of a golden batch over HTTP against the reference."""
     import numpy as np
 
     from pipeline.archive import archive_contents, build_archive
     from pipeline.torchserve import TorchServe
     from tests.test_archive import MODEL_CONFIG
-    from tests.test_big_models import build_external_onnx, wide_mlp
 
-    record, out, golden = build_external_onnx(tensor_params, tmp_path, wide_mlp(16, 256, 3), 16, min_bytes=1 << 16)
-    assert record["status"] == "converted", record["reason"]
     art = tmp_path / "artifacts"
     variants, serve, store = art / "variants", art / "serve", art / "model_store"
     variants.mkdir(parents=True)
     shutil.move(str(out), variants / "onnx")
-    assert json.loads((variants / "onnx" / "variant.json").read_text())["external_data"] == ["model.onnx.data"]
+    variant = json.loads((variants / "onnx" / "variant.json").read_text())
+    assert variant["external_data"] == ["model.onnx.data"]
     serve.mkdir()
     (serve / "model-config.yaml").write_text(MODEL_CONFIG)
     (art / "selection.json").write_text(json.dumps({"winner": "onnx", "objective": "throughput", "slo_met": True,
                                                     "message": "test", "variants": {}}))
     (art / "env.json").write_text(json.dumps({"device": "cpu"}))
-    mar = build_archive(tensor_params, selection_path=art / "selection.json", variants_dir=variants,
-                        serve_dir=serve, env_path=art / "env.json", export_dir=store).path
-    assert {"model.onnx", "model.onnx.data", "onnx_handler.py"} <= set(archive_contents(mar))
-    unpack_mar(mar, store / "signalnet")
+    built = build_archive(params, selection_path=art / "selection.json", variants_dir=variants,
+                          serve_dir=serve, env_path=art / "env.json", export_dir=store,
+                          archive_format=archive_format).path
+    packed = variant.get("prepacked")
+    expected = {"model.onnx", "model.onnx.data", "onnx_handler.py"} | ({packed["artifact"]} if packed else set())
+    if archive_format == "no-archive":          # the archiver wrote the folder form itself
+        assert expected <= {p.name for p in built.rglob("*")}
+    else:
+        assert expected <= set(archive_contents(built))
+        if "folder" in forms:
+            unpack_mar(built, store / "signalnet")
     (tmp_path / "config.properties").write_text("default_workers_per_model=1\n")
 
     batch = golden.batches[1]
-    for i, models in enumerate(("signalnet=signalnet.mar", "signalnet=signalnet")):
+    for i, form in enumerate(forms):
+        models = "signalnet=signalnet.mar" if form == "mar" else "signalnet=signalnet"
         ts = TorchServe(tmp_path / "config.properties", store, "signalnet", models=models,
                         workdir=tmp_path / f"server-{i}")
         with ts:
@@ -265,4 +282,32 @@ def test_external_data_onnx_served_by_the_onnx_handler_from_mar_and_folder(tmp_p
                 r = ts.api.predict(json.dumps(x.tolist()).encode(), "application/json")
                 assert r.status == 200, (models, r.body[:300])
                 np.testing.assert_allclose(np.asarray(r.json(), dtype=np.float32), want, atol=1e-4, rtol=1e-3)
+            if packed:                          # the worker mapped the build host's packed weights
+                assert "prepacked=yes" in (ts.log.logs / "model_log.log").read_text()
         ts.cleanup()
+
+
+@pytest.mark.slow
+@pytest.mark.torchserve
+@needs_java
+def test_model_over_2gb_gets_a_verified_onnx_variant_and_is_served(tensor_params, tmp_path):
+    """Protobuf cannot hold 2 GiB: with the default threshold such a model's ONNX variant keeps its
+    tensors in model.onnx.data, verifies at every batch size, and a real TorchServe serves it from
+    the folder store (the form chosen for GB-sized artifacts), answering like the reference.
+    Pre-packing is off here only to keep the test's disk use at one copy (it would add ~2 GiB; the
+    packed path is served above)."""
+    import torch
+    from torch import nn
+
+    from pipeline.variants.onnx import OnnxConverter
+    from tests.test_big_models import build_external_onnx
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16384, 16384), nn.Tanh(), nn.Linear(16384, 16384))   # 2 GiB + biases
+    record, out, golden = build_external_onnx(tensor_params, tmp_path, module, 16384, prepack=False,
+                                              min_bytes=OnnxConverter.Options().external_data_min_bytes)
+    del module
+    assert record["status"] == "converted", record["reason"]
+    assert record["verification"]["batch_sizes"] == [1, 3]
+    assert (out / "model.onnx.data").stat().st_size > 2**31 and (out / "model.onnx").stat().st_size < 2**20
+    serve_external_onnx(tmp_path, tensor_params, out, golden, forms=("folder",), archive_format="no-archive")

@@ -5,6 +5,7 @@ without raising.
 Two tiny variants: a TorchScript MLP behind a loader written here (the harness is generic over
 the loader), and an ONNX MatMul loaded by the real handlers.runtime + task adapter.
 """
+import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 
 from pipeline.measure.cold import (BenchmarkChildError, artifact_files, measure_fresh_processes, raw_read_seconds,
                                    run_fresh_process)
-from pipeline.measure.runner import (BenchmarkSettings, benchmark_or_record, combine_rounds, curve_rows,
+from pipeline.measure.runner import (BenchmarkSettings, benchmark_or_record, benchmark_variant, combine_rounds, curve_rows,
                                      host_reference, load_rows, repeat_sizes)
 from pipeline.params import parse_params
 
@@ -289,3 +290,37 @@ def test_steady_rounds_really_run_in_separate_processes(tiny):
     assert len(runs.rounds) == 2 and runs.cold.runs == 2
     for r in runs.rounds:
         assert list(r["points"]) == ["1", "2"] and all(len(p["samples_s"]) >= 5 for p in r["points"].values())
+
+
+def test_process_budget_keeps_the_minimums_then_stops_starting_processes():
+    """A variant whose rounds take 30 s under a 60 s budget: the 2nd round still runs (a spread needs
+    two), the 3rd becomes a cold load only, and cold loads stop after the 3rd; with no budget all run."""
+    from pipeline.measure.runner import ProcessBudget
+    now = [0.0]
+    budget = ProcessBudget(60.0, clock=lambda: now[0])
+    kinds = []
+    for i in range(5):
+        steady = i == 0 or (i < 5 and budget.round_allowed())
+        if budget.stop_before(i, "spec" if steady else None) and i > 0:
+            break
+        took = 30.0 if steady else 8.0
+        now[0] += took
+        budget.ran("steady" if steady else "cold", took)
+        kinds.append("steady" if steady else "cold")
+    assert kinds == ["steady", "steady", "cold"]
+    assert budget.as_dict()["steady_rounds"] == 2 and budget.as_dict()["cut"] >= 2
+
+    now[0] = 0.0
+    free = ProcessBudget(0.0, clock=lambda: now[0])
+    for _ in range(5):
+        now[0] += 100.0
+        free.ran("steady", 100.0)
+        assert free.round_allowed() and not free.stop_before(4, None)
+
+
+def test_the_benchmark_records_its_processes_within_the_budget(tiny):
+    settings = dataclasses.replace(FAST, cold_runs=5, steady_runs=4, budget_s=0.001)
+    record = benchmark_variant(tiny["dir"], "tiny", settings, "cpu", loader=tiny["loader"], feeds=tiny["feeds"])
+    assert record["processes"]["steady_rounds"] == 2            # the minimum, whatever the budget
+    assert record["cold_load"]["runs"] == 3
+    assert all(len(p["round_p50_ms"]) == 2 for p in record["steady"].values())

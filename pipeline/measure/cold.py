@@ -91,6 +91,9 @@ def artifact_files(model_dir, variant: dict) -> list[Path]:
     name = variant["artifact"]
     listed = set(variant.get("files") or [])
     files = [folder / name] + [folder / f for f in sorted(listed) if f != name and f.startswith(name)]
+    packed = (variant.get("prepacked") or {}).get("artifact")       # the graph a CPU session may read instead
+    if packed and packed in listed:
+        files.append(folder / packed)
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise FileNotFoundError(f"artifact file(s) missing: {', '.join(missing)}; re-run the variant's convert stage")
@@ -123,15 +126,18 @@ def measure_fresh_processes(model_dir, runs: int, artifact_paths: Sequence[Path]
                             feeds: str = DEFAULT_FEEDS, device: str = "cpu", threads: Optional[int] = None,
                             seq_len: Optional[int] = None, timeout_s: float = 300.0, tensorrt: bool = False,
                             round_for: Optional[Callable[[int, list], Optional[RoundSpec]]] = None,
-                            steady_timeout_s: float = 0.0, on_run=None) -> FreshRuns:
-    """`runs` fresh processes, each a cold start; `round_for(i, rounds_so_far)` names the
+                            steady_timeout_s: float = 0.0, on_run=None,
+                            stop_before: Optional[Callable[[int, Optional[RoundSpec]], bool]] = None) -> FreshRuns:
+    """Up to `runs` fresh processes, each a cold start; `round_for(i, rounds_so_far)` names the
     steady-state round process i continues with (None: cold start only), so a later round can
-    depend on what the first one found."""
+    depend on what the first one found; `stop_before(i, spec)` true ends the series there."""
     if runs < 1:
         raise ValueError(f"benchmark.cold_runs must be >= 1, got {runs}")
     samples, rounds = [], []
     for i in range(runs):
         spec = round_for(i, rounds) if round_for else None
+        if stop_before is not None and i > 0 and stop_before(i, spec):
+            break
         run = run_fresh_process(model_dir, loader, feeds, device, threads, seq_len,
                                 timeout_s + (steady_timeout_s if spec else 0.0), tensorrt, spec)
         samples.append(run.phases)

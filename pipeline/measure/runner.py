@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from pipeline.measure.cold import DEFAULT_FEEDS, DEFAULT_LOADER, artifact_files, measure_fresh_processes
 from pipeline.measure.device import serving_threads
@@ -31,12 +31,58 @@ log = logging.getLogger(__name__)
 STEADY_ROUND_TIMEOUT_S = 1800.0
 
 
+@dataclass
+class ProcessBudget:
+    """How many fresh processes a variant gets: up to steady_runs rounds and cold_runs cold loads,
+    but none is started once the time spent plus what such a process took so far (its mean) would
+    pass `budget_s` — after at least MIN_STEADY_ROUNDS rounds (a spread needs two) and MIN_COLD_RUNS
+    cold loads. A round that does not fit becomes a cold load only. For a 90 MB model every process
+    fits (a few seconds each); a 1.3 GB one spends 8 s on each load and 30 s on each round, and five
+    of each would take three minutes per variant."""
+    budget_s: float                       # 0: no limit
+    clock: Callable[[], float] = time.monotonic
+    took: dict = field(default_factory=lambda: {"steady": [], "cold": []})
+    cut: int = 0                          # processes not started or downgraded
+
+    def __post_init__(self):
+        self.started = self.clock()
+
+    MIN_STEADY_ROUNDS = 2
+    MIN_COLD_RUNS = 3
+
+    def _fits(self, kind: str) -> bool:
+        past = self.took[kind] or self.took["steady"] or self.took["cold"]
+        guess = sum(past) / len(past) if past else 0.0
+        return not self.budget_s or self.clock() - self.started + guess <= self.budget_s
+
+    def round_allowed(self) -> bool:
+        if len(self.took["steady"]) < self.MIN_STEADY_ROUNDS or self._fits("steady"):
+            return True
+        self.cut += 1
+        return False
+
+    def stop_before(self, i: int, spec) -> bool:
+        if spec is not None or i < self.MIN_COLD_RUNS or self._fits("cold"):
+            return False
+        self.cut += 1
+        return True
+
+    def ran(self, kind: str, seconds: float) -> None:
+        self.took[kind].append(seconds)
+
+    def as_dict(self) -> dict:
+        return {"budget_s": self.budget_s, "steady_rounds": len(self.took["steady"]),
+                "cold_only": len(self.took["cold"]), "cut": self.cut,
+                "spent_s": round(self.clock() - self.started, 2)}
+
+
 @dataclass(frozen=True)
 class BenchmarkSettings:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     threads: int = 0                 # 0 → what one serving worker gets (see device.serving_threads)
     cold_runs: int = 5
     steady_runs: int = 5
+    budget_s: float = 60.0           # per variant: see ProcessBudget
     interleave_passes: int = 4
     warmup_iters: int = 5
     warmup_max_s: float = 1.0
@@ -122,25 +168,35 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
     started = time.monotonic()
     processes = max(settings.cold_runs, settings.steady_runs)   # every steady round starts as a cold run
     bar = _progress(processes, f"benchmark {variant}")
+    budget = ProcessBudget(settings.budget_s)
+    current = {"kind": "cold", "since": time.monotonic()}
 
     def round_for(i: int, done: list) -> Optional[RoundSpec]:
-        if i >= settings.steady_runs:
-            return None
+        spec = None
         if i == 0:
-            return settings.round_spec(settings.batch_sizes, sweep=True)
-        sizes = repeat_sizes(done[0], settings.latency_cap_ms)
-        return settings.round_spec(sizes, sweep=False) if sizes else None
+            spec = settings.round_spec(settings.batch_sizes, sweep=True)
+        elif i < settings.steady_runs and budget.round_allowed():
+            sizes = repeat_sizes(done[0], settings.latency_cap_ms)
+            spec = settings.round_spec(sizes, sweep=False) if sizes else None
+        current.update(kind="cold" if spec is None else "steady", since=time.monotonic())
+        return spec
 
     def on_run(i: int):
+        budget.ran(current["kind"], time.monotonic() - current["since"])
         bar.update()
 
     try:
         runs = measure_fresh_processes(model_dir, processes, files, loader, feeds, device, threads, seq_len,
                                        settings.cold_timeout_s, settings.tensorrt, round_for=round_for,
-                                       steady_timeout_s=STEADY_ROUND_TIMEOUT_S, on_run=on_run)
+                                       steady_timeout_s=STEADY_ROUND_TIMEOUT_S, on_run=on_run,
+                                       stop_before=budget.stop_before)
     finally:
         bar.close()
     log.info("%s: %s", variant, runs.cold.render())
+    if budget.cut:
+        log.info("%s: %d steady round(s) and %d cold load(s) within benchmark.budget_s %g s (%d process(es) "
+                 "not started or cold-only)", variant, len(budget.took["steady"]), runs.cold.runs,
+                 settings.budget_s, budget.cut)
     steady = combine_rounds(runs.rounds, settings.max_cv)
     for key, point in steady.items():
         log.info("%s: batch %s: p50 %.2f ms (rounds %s), p99 %.2f ms, cv %.1f%%, spread %.1f%%, %.1f samples/s%s",
@@ -161,6 +217,7 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
         "host_reference": reference,
         "noisy": any(p["noisy"] for p in steady.values()),
         "settings": asdict(settings),
+        "processes": budget.as_dict(),
         "duration_s": round(time.monotonic() - started, 2),
     })
     return record

@@ -14,6 +14,9 @@ ALL level, whose NCHWc layout rewrites tie the file to one CPU's instruction set
 device's execution provider, and that optimised graph is the artifact: sessions load it with
 optimisation off (faster start, measured.md). fp16: onnxruntime's float16 converter with
 `keep_io_types=True`, so the artifact still takes and returns float32.
+On CPU a variant with external data also ships ORT's pre-packed weight layout for this host
+(`conversion.onnx_prepack`, pipeline/variants/prepack.py): sessions map it instead of packing
+every weight at load.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from handlers.runtime_onnx import check_providers_active, choose_providers
 from pipeline.params import Params
 from pipeline.plan import emulated_dtype_note
 from pipeline.variants.base import Artifact, BuildContext, Converter, register
+from pipeline.variants.prepack import PREPACKED_GRAPH, prepack
 from pipeline.weights import module_bytes
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,7 @@ class OnnxConverter(Converter):
         opset: int = 18                        # conversion.onnx_opset
         graph_optimization: str = "extended"   # ORT level baked into the artifact: basic | extended
         external_data_min_bytes: int = 256 * 10**6   # fp32 weights from this size on: tensors in model.onnx.data
+        prepack: bool = True                   # conversion.onnx_prepack: ship ORT's packed weights (CPU)
 
     @classmethod
     def host_unsuitable(cls, env: dict) -> Optional[str]:
@@ -60,7 +65,8 @@ class OnnxConverter(Converter):
     @classmethod
     def from_params(cls, params: Params) -> "OnnxConverter":
         return cls(cls.Options(opset=params.conversion.onnx_opset,
-                               external_data_min_bytes=int(params.conversion.onnx_external_data_mb * 10**6)))
+                               external_data_min_bytes=int(params.conversion.onnx_external_data_mb * 10**6),
+                               prepack=params.conversion.onnx_prepack))
 
     def build_dynamo(self, ctx: BuildContext) -> Artifact:
         return self._build(ctx, dynamo=True)
@@ -83,12 +89,17 @@ class OnnxConverter(Converter):
             shutil.rmtree(raw_dir, ignore_errors=True)
         inputs = {s.name: s.dtype for s in ctx.loaded.inputs}   # float32 stays float32 at the boundary
         data = final.name + DATA_SUFFIX
+        # The packed layouts go into the external data file: models kept in one file stay as they are.
+        packed = prepack(final, data) if self.options.prepack and external and ctx.device == "cpu" else None
         if external and not (ctx.out_dir / data).is_file():
             raise RuntimeError(f"ONNX Runtime did not write the external data file {data} beside {final.name}")
-        return Artifact(ARTIFACT, "onnx", inputs, data_files=[data] if external else [],
-                        extra={"graph_optimized": True, "graph_optimization": self.options.graph_optimization,
-                               "opset": self.options.opset, "exporter": "dynamo" if dynamo else "legacy",
-                               "external_data": [data] if external else []})
+        extra = {"graph_optimized": True, "graph_optimization": self.options.graph_optimization,
+                 "opset": self.options.opset, "exporter": "dynamo" if dynamo else "legacy",
+                 "external_data": [data] if external else []}
+        if packed:
+            extra["prepacked"] = packed
+        return Artifact(ARTIFACT, "onnx", inputs, extra=extra,
+                        data_files=([data] if external else []) + ([PREPACKED_GRAPH] if packed else []))
 
     def _export(self, ctx: BuildContext, path: Path, dynamo: bool, external: bool) -> None:
         loaded = ctx.loaded
