@@ -21,7 +21,7 @@ Two inputs, both recorded:
 The reference (`eager`) is never screened. On a GPU nothing is measured against the CPU-side eager
 module: a variant whose `host_unsuitable` names a reason there is skipped with that reason.
 
-Verification cost is bounded too (`bounded_golden`): a model of at least `conversion.big_model_mb`
+Verification cost is bounded too (`bounded_golden`; not for a task gate): a model of at least `conversion.big_model_mb`
 verifies one golden batch per batch size instead of all of them — every batch size still runs once,
 which is what catches a batch size baked in by tracing.
 """
@@ -161,14 +161,18 @@ def make_screen(converter_cls, params, loaded, golden, env: dict, device: str) -
                   feeds=batch1.feeds, device=device)
 
 
-def bounded_golden(golden, loaded, params):
+def bounded_golden(golden, loaded, params, tol=None):
     """The golden set verification runs: all of it, or for a model of at least
-    `conversion.big_model_mb` the first batch of each batch size (every size still runs once)."""
+    `conversion.big_model_mb` the first batch of each batch size (every size still runs once).
+    A task gate (int8: recall@k of the reference's neighbours) always gets all of it: it judges the
+    set as a whole, and k shrinks with the samples — on a 1.3 GB model recall@3 over 15 samples
+    passed a variant whose recall@8 over the 33 samples was 0.947, which serve_check's HTTP parity
+    then refused (0.928)."""
     import dataclasses
 
     from pipeline.weights import module_bytes
     size_mb = module_bytes(loaded.module) / 2**20
-    if size_mb < params.conversion.big_model_mb:
+    if size_mb < params.conversion.big_model_mb or (tol is not None and tol.gate == "task"):
         return golden
     kept, seen = [], set()
     for b in golden.batches:

@@ -236,3 +236,23 @@ def test_aoti_compiles_a_dynamic_batch_package(make_params, tmp_path):
     assert_converted(record, tmp_path / "aoti", golden)
     assert record["verification"]["batch_sizes"] == [1, 3, 4]
     assert json.loads((tmp_path / "aoti" / "variant.json").read_text())["device"] == "cpu"
+
+
+def test_module_copy_shares_unchanged_weights_and_converts_without_an_fp32_copy():
+    """Converters work on module_copy(): fp32 weights on their device are shared (no second copy of a
+    GB-sized model), a dtype change makes new tensors from the originals, and the loaded model is
+    left as it was, whatever is done to the copy's structure."""
+    from pipeline.variants.base import module_copy
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model.register_buffer("steps", torch.arange(3))            # an integer buffer keeps its dtype
+    same = module_copy(model)
+    assert same is not model and same[0] is not model[0]
+    assert same[0].weight.data_ptr() == model[0].weight.data_ptr()
+    half = module_copy(model, "cpu", torch.bfloat16)
+    assert half[0].weight.dtype == torch.bfloat16 and half.steps.dtype == torch.int64
+    assert model[0].weight.dtype == torch.float32
+    same[2] = nn.Identity()                                     # restructuring the copy (as quantize_dynamic does)
+    assert isinstance(model[2], nn.Linear)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(half(x.bfloat16()).float(), model(x), atol=0.05, rtol=0.05)

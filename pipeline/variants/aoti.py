@@ -3,11 +3,9 @@ the resolved target device (benchmark.device). The package only runs on the devi
 for; the runtime refuses another one with a clear error."""
 from __future__ import annotations
 
-import copy
-
 import torch
 
-from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, register
+from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, module_copy, register
 
 
 @register
@@ -18,7 +16,7 @@ class AotiConverter(Converter):
     methods = ("export-compile",)
 
     def build_export_compile(self, ctx: BuildContext) -> Artifact:
-        module = copy.deepcopy(ctx.loaded.module).to(ctx.device).eval()
+        module = module_copy(ctx.loaded.module, ctx.device)
         program = torch.export.export(module, ctx.example_inputs(None, ctx.device), dynamic_shapes=ctx.dynamic_shapes())
         path = ctx.out_dir / "aoti.pt2"
         torch._inductor.aoti_compile_and_package(program, package_path=str(path))

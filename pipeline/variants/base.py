@@ -129,3 +129,27 @@ def get_converter(name: str) -> type[Converter]:
 def default_input_dtypes(loaded, float_dtype: str = "float32") -> dict[str, str]:
     """Artifact input dtypes: integer inputs unchanged, floating inputs in `float_dtype`."""
     return {s.name: (float_dtype if s.dtype.startswith("float") else s.dtype) for s in loaded.inputs}
+
+
+def module_copy(module, device: str = "cpu", dtype=None):
+    """A copy of `module` on `device` (floating tensors in `dtype` when given) that converters may
+    trace, export, freeze or restructure without touching the loaded model — without a second
+    copy of its weights: a tensor already on that device and dtype is shared, not duplicated, and
+    a converted one is made directly from the original (never an fp32 copy first). Tracing,
+    torch.export and quantize_dynamic read weights, they do not write them. On a 1.3 GB model
+    `copy.deepcopy(m).to(...)` held one more full copy at every conversion."""
+    import copy
+
+    import torch
+
+    def converted(t: torch.Tensor) -> torch.Tensor:
+        want = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return t if (t.device.type == torch.device(device).type and t.dtype == want) else \
+            t.detach().to(device=device, dtype=want)
+
+    memo = {}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(converted(p.data), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = converted(b)
+    return copy.deepcopy(module, memo).eval()

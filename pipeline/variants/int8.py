@@ -31,7 +31,6 @@ GPU int8 is TensorRT's path (a calibrated TensorRT engine), which this pipeline 
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import math
@@ -45,7 +44,7 @@ import numpy as np
 import torch
 
 from pipeline.params import Int8Params, Params, Tolerance, _default_tolerances
-from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, register
+from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, module_copy, register
 from pipeline.variants.onnx import OnnxConverter, onnx_bytes
 from pipeline.variants.sensitivity import RANKING_BATCHES, Calibration, search
 from pipeline.variants.torchscript import TorchScriptConverter
@@ -406,8 +405,9 @@ class TorchInt8Converter(Int8Mixin, TorchScriptConverter):
 
         def quantize(exclude: list[str], only: Optional[list[str]]):
             names = set(only or candidates) - set(exclude)
-            return quantize_dynamic(copy.deepcopy(loaded.module).eval(), qconfig_spec={n: qconfig for n in names},
-                                    dtype=torch.qint8)
+            # inplace on our own copy: quantize_dynamic would otherwise deep-copy the fp32 weights again
+            return quantize_dynamic(module_copy(loaded.module), qconfig_spec={n: qconfig for n in names},
+                                    dtype=torch.qint8, inplace=True)
 
         def run(module, on: Calibration):
             return [run_reference(dataclasses.replace(loaded, module=module), f) for f in on.feeds]

@@ -8,13 +8,12 @@ floating inputs in the variant's dtype; the runtime casts float32 in and out.
 """
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 import torch
 
 from pipeline.plan import emulated_dtype_note
-from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, register
+from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, module_copy, register
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -33,7 +32,7 @@ class TorchScriptConverter(Converter):
 
     def _trace(self, ctx: BuildContext):
         dtype = TORCH_DTYPES[self.dtype]
-        module = copy.deepcopy(ctx.loaded.module).to(device=ctx.device, dtype=dtype).eval()
+        module = module_copy(ctx.loaded.module, ctx.device, dtype)
         args = ctx.example_inputs(1, ctx.device, float_dtype=dtype)
         with torch.no_grad():
             # check_trace=False: the golden-set verification is the (stricter) check.

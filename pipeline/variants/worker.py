@@ -43,7 +43,7 @@ def run(variant: str, out_dir: Path, golden_dir: Path) -> dict:
         loaded = load_model(params)
         log.info("%s: loaded %s in %.1f s; building for %s", variant, params.model.checkpoint,
                  time.perf_counter() - t0, device)
-        golden = bounded_golden(golden, loaded, params)
+        golden = bounded_golden(golden, loaded, params, tol)
         screen = make_screen(converter_cls, params, loaded, golden, env, device)
         return build_variant(converter, loaded, golden, out_dir, device, tol,
                              params.conversion.min_topk_agreement, screen=screen)
