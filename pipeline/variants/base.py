@@ -78,6 +78,10 @@ class Converter:
     family: ClassVar[str]                       # torch | onnx
     dtype: ClassVar[str] = "float32"            # compute dtype; selects the tolerance
     methods: ClassVar[tuple[str, ...]]          # build methods, most preferred first
+    # Whether a method whose artifact verification REJECTED is followed by the next method (one that
+    # FAILED to build always is). True where the methods compute differently (a frozen trace vs a
+    # plain one); False where they only reach the same computation another way.
+    retry_rejected: ClassVar[bool] = True
 
     @dataclass(frozen=True)
     class Options:

@@ -156,6 +156,10 @@ def build_variant(converter: Converter, loaded, golden, out_dir: str | Path, dev
         if v.passed:
             chosen = attempt
             break
+        if not converter.retry_rejected:
+            log.info("%s: %s's rejection ends the attempts (another method builds the same computation)",
+                     converter.name, method)
+            break
 
     record = base_record(converter.name, converter.dtype, tol)
     if chosen is None:

@@ -166,10 +166,11 @@ class OnnxFloat16Converter(OnnxConverter):
     def _transform(self, path: Path) -> None:
         from onnxruntime.transformers.float16 import convert_float_to_float16
         external = data_file(path).exists()
-        model = _load(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # it warns for every constant clamped to the fp16 range
-            model = convert_float_to_float16(model, keep_io_types=True)
+            # By path: shape inference then runs file to file on the graph alone; given a loaded
+            # model it would return a second in-memory copy of every weight first.
+            model = convert_float_to_float16(str(path), keep_io_types=True)
         _save(model, path, external)
 
 
