@@ -31,6 +31,9 @@ class RuntimeLoadError(RuntimeError):
 
 class Runtime(ABC):
     """What every family provides. Subclasses fill the attributes and implement `_run`."""
+    # Calls a serving worker makes before it reports ready, so the first request is not slow:
+    # one allocates ONNX Runtime's arena; TorchScript's profiling executor specialises on the 2nd.
+    warmup_calls: int = 1
 
     def __init__(self, variant: dict, model_dir: Path, device: str, threads: Optional[int]):
         self.variant = variant

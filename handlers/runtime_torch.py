@@ -40,6 +40,8 @@ def set_threads(threads: Optional[int]) -> None:
 
 
 class TorchRuntime(Runtime):
+    warmup_calls = 2       # TorchScript's profiling executor specialises the graph on its second call
+
     def __init__(self, variant: dict, model_dir: Path, device: str, threads: Optional[int]):
         super().__init__(variant, model_dir, device, threads)
         fmt = variant["format"]

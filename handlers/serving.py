@@ -213,9 +213,8 @@ class ServingHandler(ABC):
         if warmup_bs is None:
             warmup_bs = int(props.get("batch_size") or 1)
         if warmup_bs > 0:
-            # Twice: TorchScript's profiling executor specialises the graph on its second call.
             feeds = self.adapter.example_feeds(warmup_bs)
-            for _ in range(2):
+            for _ in range(getattr(self.runtime, "warmup_calls", 1)):
                 self.runtime.run(feeds)
         t_warm = time.perf_counter()
 
