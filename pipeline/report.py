@@ -605,6 +605,12 @@ def startup_blocks(inputs: ReportInputs) -> list[Block]:
     if vf.get("ratio") is not None:
         rows.append(["READY vs server floor + raw read", f"{_fmt(vf['ratio'])}× ({_fmt(vf['ready_s'])} s against a "
                      f"do-nothing model's {_fmt(vf['floor_ready_s'])} s + {_fmt(vf['raw_read_s'])} s raw read)"])
+    hl = sc.get("handler_load_ms") or {}
+    if hl.get("total") is not None:
+        floor_ms = ((sc.get("server_floor") or {}).get("worker_load_ms"))
+        rows.append(["worker load (WorkerLoadTime) and the handler's part", f"{_fmt(sc.get('worker_load_ms'))} ms"
+                     + (f" (a do-nothing model's: {_fmt(floor_ms)} ms)" if floor_ms else "") + "; handler "
+                     + ", ".join(f"{k} {_fmt(v)}" for k, v in hl.items()) + " ms"])
     diag = sc.get("startup_diagnosis") or {}
     if diag.get("message"):
         rows.append(["startupTimeout MISSED", diag["message"]])

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Optional
 
+_PHASE = re.compile(r"([A-Za-z_][\w]*)=([0-9.]+)ms")
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -65,6 +66,18 @@ class ServerLogs:
             if m.group(2) == self.model_name:
                 values.append(float(m.group(1)))
         return max(values) if values else None
+
+    def handler_load_ms(self) -> Optional[dict]:
+        """The phases of the slowest worker's `[load]` line (handlers/serving.py: runtime read /
+        deserialize, adapter, warm-up, total in ms), from model_log.log; None before any."""
+        try:
+            text = (self.logs / "model_log.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return None
+        loads = [dict((k, float(v)) for k, v in _PHASE.findall(line.split("[load]", 1)[1].rsplit(": ", 1)[-1]))
+                 for line in text.splitlines() if "[load] variant=" in line]
+        loads = [d for d in loads if "total" in d]
+        return max(loads, key=lambda d: d["total"]) if loads else None
 
     def batches(self) -> list[frozenset]:
         """Every batch the Python backend ran, as the set of TorchServe request ids in it: one

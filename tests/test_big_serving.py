@@ -112,7 +112,9 @@ def test_report_shows_stage_costs_and_start_up(tmp_path):
     (tmp_path / "artifacts" / "serve").mkdir(parents=True)
     (tmp_path / "artifacts" / "serve" / "derivation.json").write_text(json.dumps(derivation_as_dict(derive(b))))
     (tmp_path / "metrics" / "serve_check.json").write_text(json.dumps({
-        "ready_s": 9.1, "worker_peak_rss_mb": 1800.0, "store_form": "folder",
+        "ready_s": 9.1, "worker_peak_rss_mb": 1800.0, "store_form": "folder", "worker_load_ms": 7000,
+        "handler_load_ms": {"read": 1.0, "deserialize": 4200.0, "warmup_bs4": 300.0, "total": 4600.0},
+        "server_floor": {"ready": True, "ready_s": 2.0, "worker_load_ms": 1200},
         "store_forms": {"chosen": "folder", "folder": {"ready": True, "ready_s": 9.1, "worker_load_ms": 7000},
                         "mar": {"ready": True, "ready_s": 11.0, "worker_load_ms": 7100}}}))
     inputs = collect_inputs(tmp_path, "big", 200.0, ["eager"])
@@ -121,6 +123,8 @@ def test_report_shows_stage_costs_and_start_up(tmp_path):
     assert "READY from the folder (served)" in md and "READY from the mar" in md
     assert "startupTimeout on a 200 MB/s disk | 57 s" in md
     assert "peak RSS per worker in TorchServe | 1800 MB" in md
+    assert ("| 7000 ms (a do-nothing model's: 1200 ms); handler read 1, deserialize 4200, warmup_bs4 300, "
+            "total 4600 ms |") in md
     assert summary_metrics(inputs)["pipeline_wall_s"] >= 0
 
 

@@ -229,12 +229,19 @@ def test_an_outlier_channel_is_rejected_with_its_figure(variant, outlier_models,
     assert len(record["attempts"]) == 1          # the other method would only redraw the same accuracy
 
 
+@pytest.mark.parametrize("ranking", ["per-op", "local"])
 @pytest.mark.parametrize("variant", INT8)
-def test_sensitivity_fallback_keeps_the_outlier_consumer_fp32(variant, outlier_models, make_params, tmp_path):
+def test_sensitivity_fallback_keeps_the_outlier_consumer_fp32(variant, ranking, outlier_models, make_params,
+                                                              tmp_path, monkeypatch):
+    from pipeline.variants import sensitivity
+    if ranking == "local":      # as on a big model, where one forward per op would not fit in the budget
+        monkeypatch.setattr(sensitivity, "RANKING_SHARE", 0.0)
     record, out, _ = _convert(variant, 1000.0, outlier_models, make_params, tmp_path, max_fp32_share=0.7)
     assert record["status"] == "converted", record["reason"]
     q = record["quantization"]
     assert not q["whole_model"]["passed"] and q["stopped_by"] == "gate passed"
+    assert q["sensitivity"]["by"].startswith("each op's own output error" if ranking == "local" else "the model's")
+    assert q["sensitivity"]["measured"] == q["quantizable_ops"]
     # The layer fed by the outlier channel (Sequential index 2) stays fp32, the last layer is int8.
     # Static QDQ also quantizes the first layer's OUTPUT, which carries the outlier: it stays fp32 too.
     expected = [q["ops"][1], q["ops"][0]] if variant == "onnx-int8-static" else [q["ops"][1]]
@@ -328,6 +335,8 @@ def test_int8_mar_served_with_parity_within_the_int8_gate(tmp_path, text_params)
     assert figures["recall_at_k"] >= gate["min_recall_at_k"]
     assert out["bad_inputs"]["ok"], out["bad_inputs"]
     assert out["load"]["requests_ok"] == 16
+    h = out["handler_load_ms"]          # the handler's own [load] phases, read from the worker log
+    assert 0 < h["total"] <= out["worker_load_ms"] and h["warmup_bs4"] > 0 and "runtime_total" in h, h
 
 
 def test_report_shows_int8_accuracy_beside_its_speed():
@@ -382,3 +391,35 @@ def test_the_sensitivity_ranking_spends_the_budget_not_more():
     sens = record["sensitivity"]
     assert 0 < sens["measured"] < len(ops) == sens["of"] and len(calls) == sens["measured"]
     assert record["stopped_by"] == "budget" and took < 0.5 + 0.5          # not 40 × 0.05 s = 2 s of ranking
+
+
+@pytest.mark.parametrize("budget_s,expected", [(2.0, "local"), (20.0, "per-op")])
+def test_the_ranking_is_local_where_one_forward_per_op_would_not_fit(budget_s, expected):
+    """40 ops at ~20 ms a forward: 0.8 s of per-op ranking is more than a quarter of a 2 s budget (one
+    pass of local errors instead), and less than a quarter of 20 s (the per-op ranking stays)."""
+    import time
+
+    from pipeline.variants.sensitivity import Calibration, search
+    x = np.ones((8, 4), np.float32)
+    cal = Calibration([{"x": x}], [[x]], ["y"], "tensor")
+    ops = [f"op{i}" for i in range(40)]
+    used = []
+
+    def run(kept, on):
+        time.sleep(0.02)
+        return [[x + (0.0 if kept >= 1 else 1.0)]]      # passes once the most sensitive op is kept
+
+    def op_errors(candidates, deadline):
+        used.append("per-op")
+        return {op: float(i == 7) for i, op in enumerate(candidates)}
+
+    def local_errors(candidates):
+        used.append("local")
+        return {op: float(i == 7) for i, op in enumerate(candidates)}
+
+    tol = Tolerance(atol=0.05, rtol=0.1, min_cosine=0.995)
+    _, record = search(ops, lambda exclude, only: len(exclude), run, cal, tol, 0.99, budget_s=budget_s,
+                       max_fp32_share=1.0, op_errors=op_errors, local_errors=local_errors)
+    assert used == [expected]
+    assert record["fp32_ops"] == ["op7"] and record["stopped_by"] == "gate passed"
+    assert ("one forward per op would take" in record["sensitivity"]["by"]) is (expected == "local")

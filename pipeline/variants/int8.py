@@ -132,12 +132,13 @@ class Int8Mixin:
         return Calibration(feeds, [reference(f) for f in feeds], list(ctx.golden.outputs), kind,
                            classification=kind == "image-classification")
 
-    def run_search(self, candidates, quantize, run, cal: Calibration, op_errors=None):
+    def run_search(self, candidates, quantize, run, cal: Calibration, op_errors=None, local_errors=None):
         o, q = self.options, self._q()
         # Kept on the converter: a second build method reuses the ranking and shares the budget.
         state = self.__dict__.setdefault("_search_state", {})
         return search(candidates, quantize, run, cal, o.tolerance, o.min_topk_agreement,
-                      q.sensitivity_budget_s, q.max_fp32_share, op_errors=op_errors, state=state)
+                      q.sensitivity_budget_s, q.max_fp32_share, op_errors=op_errors, state=state,
+                      local_errors=local_errors)
 
 
 # --------------------------------------------------------------------------- ONNX
@@ -195,7 +196,11 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
                 return onnx_op_errors(fp32, ops, cal, self._reduce_range(), self._q().per_channel,
                                       static=self.scheme != "dynamic", deadline=deadline)
 
-            chosen, record = self.run_search(candidates, quantize, run, cal, op_errors)
+            def local_errors(ops: list[str]) -> dict[str, float]:
+                return onnx_local_errors(fp32, ops, cal, self._reduce_range(), self._q().per_channel,
+                                         static=self.scheme != "dynamic")
+
+            chosen, record = self.run_search(candidates, quantize, run, cal, op_errors, local_errors)
             q = self._q()
             self._record.update(scheme=self.scheme, per_channel=q.per_channel, reduce_range=self._reduce_range(),
                                 reduce_range_reason=getattr(self, "reduce_range_reason", "set in params.yaml"),
@@ -346,6 +351,96 @@ def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, reduce_range: b
     return errors
 
 
+def onnx_local_errors(path: Path, ops: list[str], cal: Calibration, reduce_range: bool, per_channel: bool,
+                      static: bool) -> dict[str, float]:
+    """Each op's own output error when it alone is int8 (sensitivity.LocalErrors), from ONE run of the
+    fp32 graph that returns every op's input: the op is then recomputed from that input in torch, fp32
+    and fake-quantized (input u8 — per call, or for `static` over its range on the ranking batches —
+    weight s8 per channel). Weights are read one at a time from the data file."""
+    import onnx
+    import onnxruntime as ort
+    import torch.nn.functional as F
+    from onnx import helper, numpy_helper
+
+    from pipeline.variants.sensitivity import LocalErrors, fake_quant_activation, fake_quant_weight
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    nodes = [n for n in g.node if n.name in set(ops) and len(n.input) > 1 and n.input[1] in inits]
+    known = {o.name for o in g.output}
+    for x in dict.fromkeys(n.input[0] for n in nodes):
+        if x not in known:
+            g.output.append(helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None))
+    probe = path.with_name("probe_local.onnx")          # beside `path`: its external data still resolves
+    onnx.save(model, str(probe))
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL   # keep every op's input named
+    session = ort.InferenceSession(str(probe), sess_options=so, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    wanted = list(dict.fromkeys(n.input[0] for n in nodes))
+    inputs = [dict(zip(wanted, session.run(wanted, {k: f[k] for k in names}))) for f in cal.feeds[:RANKING_BATCHES]]
+    del session
+    probe.unlink()
+    levels_reduced = static and reduce_range              # as onnx_op_errors: 7-bit activations only for static
+    errors = LocalErrors()
+    for n in nodes:
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        w = torch.from_numpy(numpy_helper.to_array(inits[n.input[1]], base_dir=str(path.parent)).astype(np.float32))
+        if n.op_type == "Gemm" and attrs.get("transB"):
+            w = w.t()
+        axis = (0 if n.op_type == "Conv" else w.dim() - 1) if per_channel else None
+        wq = fake_quant_weight(w, axis, reduce_range)
+        xs = [torch.from_numpy(np.asarray(b[n.input[0]], np.float32)) for b in inputs]
+        if n.op_type == "Gemm" and attrs.get("transA"):
+            xs = [x.t() for x in xs]
+        if n.op_type == "Conv":
+            if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET") or w.dim() not in (3, 4):
+                continue                                   # not recomputed here: ranked after the measured ops
+            k = w.dim() - 2
+            pads = list(attrs.get("pads", [0] * 2 * k))
+            pad = [p for d in reversed(range(k)) for p in (pads[d], pads[d + k])]
+            conv = F.conv1d if k == 1 else F.conv2d
+            apply = lambda x, ww: conv(F.pad(x, pad), ww, stride=attrs.get("strides", 1),  # noqa: E731
+                                       dilation=attrs.get("dilations", 1), groups=attrs.get("group", 1))
+        else:
+            apply = torch.matmul
+        lo_hi = (min(float(x.min()) for x in xs), max(float(x.max()) for x in xs)) if static else None
+        for x in xs:
+            lo, hi = lo_hi or (float(x.min()), float(x.max()))
+            errors.add(n.name, apply(x, w), apply(fake_quant_activation(x, lo, hi, levels_reduced), wq))
+    return errors.result()
+
+
+def torch_local_errors(module: torch.nn.Module, ops: list[str], run_batch, feeds: list, per_channel: bool
+                       ) -> dict[str, float]:
+    """Each Linear's own output error when it alone is int8 (input u8 per call, weight s8 per output
+    channel), from ONE forward per batch: a hook recomputes the layer fake-quantized beside its output."""
+    import torch.nn.functional as F
+
+    from pipeline.variants.sensitivity import LocalErrors, fake_quant_activation, fake_quant_weight
+    errors = LocalErrors()
+    mods = dict(module.named_modules())
+
+    def hook(name):
+        def fn(m, args, out):
+            x = args[0]
+            wq = fake_quant_weight(m.weight, 0 if per_channel else None, False)
+            errors.add(name, out, F.linear(fake_quant_activation(x, float(x.min()), float(x.max()), False),
+                                           wq, m.bias))
+        return fn
+
+    handles = [mods[n].register_forward_hook(hook(n)) for n in ops]
+    try:
+        with torch.no_grad():
+            for f in feeds:
+                run_batch(f)
+    finally:
+        for h in handles:
+            h.remove()
+    return errors.result()
+
+
 class _OrtRunner:
     def __init__(self, path: Path):
         import onnxruntime as ort
@@ -440,7 +535,11 @@ class TorchInt8Converter(Int8Mixin, TorchScriptConverter):
                     hook.remove()
             return errors
 
-        self._module, record = self.run_search(candidates, quantize, run, cal, op_errors)
+        def local_errors(ops: list[str]) -> dict[str, float]:
+            return torch_local_errors(loaded.module, ops, lambda f: run_reference(loaded, f),
+                                      cal.feeds[:RANKING_BATCHES], self._q().per_channel)
+
+        self._module, record = self.run_search(candidates, quantize, run, cal, op_errors, local_errors)
         self._record = {"scheme": "dynamic", "engine": engine, "weight_type": "int8", "op_types": ["Linear"],
                         "per_channel": self._q().per_channel, **record}
         return self._module
