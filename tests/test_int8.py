@@ -423,3 +423,43 @@ def test_the_ranking_is_local_where_one_forward_per_op_would_not_fit(budget_s, e
     assert used == [expected]
     assert record["fp32_ops"] == ["op7"] and record["stopped_by"] == "gate passed"
     assert ("one forward per op would take" in record["sensitivity"]["by"]) is (expected == "local")
+
+
+def test_per_channel_weight_cache_reproduces_ort_and_is_reused(outlier_models, tmp_path):
+    """The sensitivity attempts re-quantize the same weights: the memoized per-channel quantization
+    must give byte-identical initializers to ORT's own, and the second attempt must not recompute."""
+    import onnx
+    import torch
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from pipeline.variants.int8 import PerChannelWeightCache, weight_nodes
+    import importlib.util
+    factory, _ = outlier_models[0.0]
+    spec = importlib.util.spec_from_file_location("outlier_mlp_cache", factory.split(":")[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    src = tmp_path / "fp32.onnx"
+    torch.onnx.export(module.build(0.0).eval(), (torch.randn(2, 4, 16),), str(src), dynamo=False,
+                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}})
+    nodes = weight_nodes(src)
+    assert len(nodes) == 3
+
+    def quantize(dst, exclude, cache=None):
+        kw = dict(per_channel=True, weight_type=QuantType.QInt8, nodes_to_quantize=nodes, nodes_to_exclude=exclude,
+                  extra_options={"MatMulConstBOnly": True})
+        if cache is None:
+            quantize_dynamic(str(src), str(dst), **kw)
+        else:
+            with cache.active(scope="one build"):
+                quantize_dynamic(str(src), str(dst), **kw)
+        return {i.name: i.SerializeToString() for i in onnx.load(str(dst)).graph.initializer}
+
+    cache = PerChannelWeightCache()
+    plain = quantize(tmp_path / "plain.onnx", [nodes[1]])
+    quantize(tmp_path / "whole.onnx", [], cache)                       # fills the cache (3 weights)
+    assert (cache.misses, cache.hits) == (3, 0)
+    cached = quantize(tmp_path / "cached.onnx", [nodes[1]], cache)     # an attempt keeping one op fp32
+    assert (cache.misses, cache.hits) == (3, 2)
+    assert cached == plain
+    from onnxruntime.quantization.base_quantizer import BaseQuantizer
+    assert BaseQuantizer.quantize_weight_per_channel_impl.__name__ == "quantize_weight_per_channel_impl"
