@@ -96,6 +96,9 @@ class Int8Params:
     per_channel: bool = True                   # per-output-channel weight scales
     # 7-bit weights, so AVX2's u8s8 kernels (no VNNI) cannot saturate; auto: on such hosts only (env.json)
     reduce_range: bool | Literal["auto"] = "auto"
+    # ONNX int8: move activation outliers into the weights first (pipeline/variants/smoothing.py);
+    # auto: the α in (0.5, 0.6, 0.7, 0.8) whose worst op errs least, or none; a number: that α; null: off
+    smoothing_alpha: float | Literal["auto"] | None = "auto"
     sensitivity_budget_s: float = 120.0        # time for the per-layer sensitivity fallback (one budget over all build methods)
     max_fp32_share: float = 0.5                # keep at most this share of the quantizable ops in fp32
 
@@ -445,7 +448,12 @@ def _check_int8(p: Params) -> None:
             ("calibration_samples", q.calibration_samples, q.calibration_samples >= 8, "an integer >= 8"),
             ("sensitivity_budget_s", q.sensitivity_budget_s, q.sensitivity_budget_s >= 0,
              "seconds >= 0 (0: no fallback, the whole model is quantized)"),
-            ("max_fp32_share", q.max_fp32_share, 0.0 <= q.max_fp32_share <= 1.0, "a share in [0, 1]")):
+            ("max_fp32_share", q.max_fp32_share, 0.0 <= q.max_fp32_share <= 1.0, "a share in [0, 1]"),
+            ("smoothing_alpha", q.smoothing_alpha,
+             q.smoothing_alpha in ("auto", None) or (isinstance(q.smoothing_alpha, (int, float))
+                                                     and not isinstance(q.smoothing_alpha, bool)
+                                                     and 0.0 < q.smoothing_alpha < 1.0),
+             "auto, null (off) or a migration strength in (0, 1), e.g. 0.7")):
         if not ok:
             raise _bad(f"conversion.int8.{key}", value, allowed)
 

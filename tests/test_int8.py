@@ -219,7 +219,8 @@ def test_an_avx2_host_quantizes_weights_to_7_bits(variant, outlier_models, make_
 
 @pytest.mark.parametrize("variant", INT8)
 def test_an_outlier_channel_is_rejected_with_its_figure(variant, outlier_models, make_params, tmp_path):
-    record, out, _ = _convert(variant, 1000.0, outlier_models, make_params, tmp_path, sensitivity_budget_s=0)
+    record, out, _ = _convert(variant, 1000.0, outlier_models, make_params, tmp_path, sensitivity_budget_s=0,
+                              smoothing_alpha=None)
     assert record["status"] == "rejected", record["reason"]
     assert "|diff|" in record["reason"] and "> atol 0.05" in record["reason"]       # the worst element, named
     worst = record["verification"]["worst"]
@@ -236,7 +237,8 @@ def test_sensitivity_fallback_keeps_the_outlier_consumer_fp32(variant, ranking, 
     from pipeline.variants import sensitivity
     if ranking == "local":      # as on a big model, where one forward per op would not fit in the budget
         monkeypatch.setattr(sensitivity, "RANKING_SHARE", 0.0)
-    record, out, _ = _convert(variant, 1000.0, outlier_models, make_params, tmp_path, max_fp32_share=0.7)
+    record, out, _ = _convert(variant, 1000.0, outlier_models, make_params, tmp_path, max_fp32_share=0.7,
+                              smoothing_alpha=None)    # the fallback itself (smoothing rescues this model)
     assert record["status"] == "converted", record["reason"]
     q = record["quantization"]
     assert not q["whole_model"]["passed"] and q["stopped_by"] == "gate passed"
@@ -250,6 +252,86 @@ def test_sensitivity_fallback_keeps_the_outlier_consumer_fp32(variant, ranking, 
     assert json.loads((out / "variant.json").read_text())["quantization"]["fp32_ops"] == q["fp32_ops"]
 
 
+# --------------------------------------------------------------------------- smoothing (SmoothQuant)
+def _mlp_onnx(outlier_models, outlier, path):
+    import torch
+    import importlib.util
+    factory, _ = outlier_models[outlier]
+    spec = importlib.util.spec_from_file_location("outlier_mlp_export", factory.split(":")[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.onnx.export(module.build(outlier), (torch.randn(2, 4, 16),), str(path), input_names=["x"],
+                      output_names=["y"], dynamic_axes={"x": {0: "b"}}, dynamo=False)
+    return path
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["one-file", "external-data"])
+def test_smoothing_moves_the_outlier_into_the_weights_and_keeps_the_function(external, outlier_models, tmp_path):
+    """choose() measures α per input and smooths only where it lowers an op's own int8 error; apply()
+    writes a graph computing the same outputs, its outlier channel divided down."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from pipeline.variants import smoothing
+    from pipeline.variants.int8 import onnx_local_errors, weight_nodes
+    from pipeline.variants.sensitivity import Calibration
+    src = _mlp_onnx(outlier_models, 1000.0, tmp_path / "mlp.onnx")
+    if external:
+        m = onnx.load(str(src))
+        onnx.save(m, str(src), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location="mlp.onnx.data", size_threshold=0)
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((8, 4, 16)).astype(np.float32)} for _ in range(4)]
+    ops = weight_nodes(src)
+    groups, record = smoothing.choose(src, ops, feeds, "auto", reduce_range=False, per_channel=True,
+                                      static=False, ranking_batches=2)
+    assert record["applied"] and record["worst_op_error"]["after"] < record["worst_op_error"]["before"]
+    assert sum(record["alpha_per_group"].values()) == record["groups"] == 3
+    outlier_group = next(g for g in groups if g.nodes[0].name == ops[1])       # the layer reading channel 0
+    assert outlier_group.alpha in smoothing.ALPHAS and outlier_group.act_max[0] > 100 * np.median(outlier_group.act_max)
+    dst = tmp_path / "smoothed.onnx"
+    smoothing.apply(src, dst, groups, external=external)
+    assert (tmp_path / "smoothed.onnx.data").exists() is external
+    run = lambda p: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, feeds[0])[0]  # noqa: E731
+    np.testing.assert_allclose(run(dst), run(src), rtol=1e-4, atol=1e-4)
+    smoothed = onnx.load(str(dst))
+    muls = [n for n in smoothed.graph.node if n.op_type == "Mul" and n.name.startswith("smooth")]
+    assert len(muls) == len(groups)
+    inv = {t.name: numpy_helper.to_array(t) for t in smoothed.graph.initializer}[
+        next(m.input[1] for m in muls if m.input[0] == outlier_group.input)]
+    assert inv[0] < 0.1 * np.median(inv)                        # the outlier channel divided most
+    cal = Calibration(feeds, [], ["y"], "tensor")
+    before = onnx_local_errors(src, ops, cal, False, True, static=False)
+    after = onnx_local_errors(dst, ops, cal, False, True, static=False)
+    assert after[ops[1]] < 0.5 * before[ops[1]]
+    groups_off, off = smoothing.choose(src, ops, feeds, None, False, True, False, 2)
+    assert groups_off == [] and not off["applied"]
+    fixed, rec = smoothing.choose(src, ops, feeds, 0.5, False, True, False, 2)
+    assert {g.alpha for g in fixed} == {0.5} and rec["why"] == "set in params.yaml"
+
+
+@pytest.mark.parametrize("variant", ["onnx-int8-dynamic", "onnx-int8-static"])
+def test_smoothing_lets_the_outlier_model_pass_with_fewer_fp32_ops(variant, outlier_models, make_params, tmp_path):
+    """The model whose outlier channel fails whole-model int8 (its consumer kept fp32 without
+    smoothing) passes its gate with fewer ops in fp32 once the outlier is smoothed into the weights
+    (dynamic int8; static is left as it was)."""
+    plain, _, _ = _convert(variant, 1000.0, outlier_models, make_params, tmp_path / "plain", max_fp32_share=0.7,
+                           smoothing_alpha=None)
+    record, out, golden = _convert(variant, 1000.0, outlier_models, make_params, tmp_path / "smooth",
+                                   max_fp32_share=0.7)
+    assert record["status"] == "converted", record["reason"]
+    q = record["quantization"]
+    meta = json.loads((out / "variant.json").read_text())
+    if variant == "onnx-int8-static":       # auto smooths dynamic int8 only: static is as without it
+        assert not q["smoothing"]["applied"] and "static" in q["smoothing"]["why"]
+        assert q["fp32_ops"] == plain["quantization"]["fp32_ops"]
+        return
+    assert q["smoothing"]["applied"] and q["smoothing"]["groups"] == 3
+    assert len(q["fp32_ops"]) < len(plain["quantization"]["fp32_ops"]), (q["fp32_ops"], plain["quantization"]["fp32_ops"])
+    assert meta["quantization"]["smoothing"]["applied"]
+
+
 # --------------------------------------------------------------------------- external data (big models)
 # The MLP's fp32 weights are 23 KB: a 0 MB threshold puts every form in external data; 0.02 MB keeps the
 # fp32 graph external while its int8 result (~6 KB of weights) is small enough for one file again.
@@ -260,7 +342,8 @@ def test_external_data_model_quantizes_and_loads_from_its_folder(variant, outlie
                                                                   outlier_models, make_params, tmp_path):
     from handlers.runtime import load_runtime
     record, out, golden = _convert(variant, outlier, outlier_models, make_params, tmp_path,
-                                   conversion={"onnx_external_data_mb": threshold_mb}, max_fp32_share=0.7)
+                                   conversion={"onnx_external_data_mb": threshold_mb}, max_fp32_share=0.7,
+                                   smoothing_alpha=None)
     assert record["status"] == "converted", record["reason"]
     q = record["quantization"]
     assert q["source_external_data"] is True and q["external_data"] is int8_external

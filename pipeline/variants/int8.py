@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from pipeline.params import Int8Params, Params, Tolerance, _default_tolerances
+from pipeline.variants import smoothing
 from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, module_copy, register
 from pipeline.variants.onnx import OnnxConverter, onnx_bytes
 from pipeline.variants.sensitivity import RANKING_BATCHES, Calibration, search
@@ -180,6 +181,16 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
                 self.options = configured
             cal = self.calibration(ctx, _OrtRunner(fp32).run)
             candidates = weight_nodes(fp32)
+            q = self._q()
+            static = self.scheme != "dynamic"
+            # Smoothing (measured, or off) rewrites the graph every attempt then quantizes; the
+            # reference outputs stay the unsmoothed graph's.
+            groups, smooth_record = smoothing.choose(fp32, candidates, cal.feeds, q.smoothing_alpha,
+                                                     self._reduce_range(), q.per_channel, static, RANKING_BATCHES)
+            if groups:
+                smoothed = tmp / "smoothed.onnx"
+                smoothing.apply(fp32, smoothed, groups, external=fp32_external)
+                fp32 = smoothed
             counter = [0]
 
             def quantize(exclude: list[str], only: Optional[list[str]]) -> Path:
@@ -194,18 +205,17 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
                 return [runner.run(f) for f in on.feeds]
 
             def op_errors(ops: list[str], deadline: float) -> dict[str, float]:
-                return onnx_op_errors(fp32, ops, cal, self._reduce_range(), self._q().per_channel,
-                                      static=self.scheme != "dynamic", deadline=deadline)
+                return onnx_op_errors(fp32, ops, cal, self._reduce_range(), q.per_channel,
+                                      static=static, deadline=deadline)
 
             def local_errors(ops: list[str]) -> dict[str, float]:
-                return onnx_local_errors(fp32, ops, cal, self._reduce_range(), self._q().per_channel,
-                                         static=self.scheme != "dynamic")
+                return onnx_local_errors(fp32, ops, cal, self._reduce_range(), q.per_channel, static=static)
 
             chosen, record = self.run_search(candidates, quantize, run, cal, op_errors, local_errors)
-            q = self._q()
             self._record.update(scheme=self.scheme, per_channel=q.per_channel, reduce_range=self._reduce_range(),
                                 reduce_range_reason=getattr(self, "reduce_range_reason", "set in params.yaml"),
-                                weight_type="int8", op_types=list(QUANTIZABLE_OPS), **self._scheme_record(), **record)
+                                weight_type="int8", op_types=list(QUANTIZABLE_OPS), smoothing=smooth_record,
+                                **self._scheme_record(), **record)
             # int8 weights are ~4x smaller than the fp32 ones the export was sized by: the artifact's form
             # follows its own size (a 2.5 GB fp32 model's int8 artifact can be one file again).
             int8_bytes = onnx_bytes(chosen)
@@ -411,7 +421,6 @@ def onnx_local_errors(path: Path, ops: list[str], cal: Calibration, reduce_range
     and fake-quantized (input u8 — per call, or for `static` over its range on the ranking batches —
     weight s8 per channel). Weights are read one at a time from the data file."""
     import onnx
-    import onnxruntime as ort
     import torch.nn.functional as F
     from onnx import helper, numpy_helper
 
@@ -420,21 +429,7 @@ def onnx_local_errors(path: Path, ops: list[str], cal: Calibration, reduce_range
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     nodes = [n for n in g.node if n.name in set(ops) and len(n.input) > 1 and n.input[1] in inits]
-    known = {o.name for o in g.output}
-    for x in dict.fromkeys(n.input[0] for n in nodes):
-        if x not in known:
-            g.output.append(helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None))
-    probe = path.with_name("probe_local.onnx")          # beside `path`: its external data still resolves
-    onnx.save(model, str(probe))
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL   # keep every op's input named
-    session = ort.InferenceSession(str(probe), sess_options=so, providers=["CPUExecutionProvider"])
-    names = [i.name for i in session.get_inputs()]
-    wanted = list(dict.fromkeys(n.input[0] for n in nodes))
-    inputs = [dict(zip(wanted, session.run(wanted, {k: f[k] for k in names}))) for f in cal.feeds[:RANKING_BATCHES]]
-    del session
-    probe.unlink()
+    inputs = smoothing.capture(path, list(dict.fromkeys(n.input[0] for n in nodes)), cal.feeds[:RANKING_BATCHES])
     levels_reduced = static and reduce_range              # as onnx_op_errors: 7-bit activations only for static
     errors = LocalErrors()
     for n in nodes:
