@@ -208,6 +208,7 @@ class TuneParams:
     """The tune stage (pipeline/tuning.py): candidates served in a real TorchServe under the expected load."""
     enabled: bool = True                       # false: the offline choice is served untested (verdict: predicted)
     rounds: int = 2                            # every candidate served this many times, interleaved
+    max_rounds: int = 4                        # a comparison still undecided (better, within noise) gets more, up to this
     measure_s: float = 2.0                     # seconds of load per candidate and round (after a warm-up)
     warmup_requests: int = 32                  # per server start, not measured
     max_candidates: int = 5                    # offline choice + larger batches + the other workers × threads layout
@@ -417,6 +418,7 @@ def _check_semantics(p: Params) -> None:
     t = p.tune
     for key, value, ok, allowed in (
             ("rounds", t.rounds, t.rounds >= 1, "an integer >= 1 (2 or more to see the noise)"),
+            ("max_rounds", t.max_rounds, t.max_rounds >= t.rounds, f"an integer >= tune.rounds ({t.rounds})"),
             ("measure_s", t.measure_s, t.measure_s > 0, "seconds > 0"),
             ("warmup_requests", t.warmup_requests, t.warmup_requests >= 0, "an integer >= 0"),
             ("max_candidates", t.max_candidates, t.max_candidates >= 1, "an integer >= 1"),

@@ -857,7 +857,7 @@ def tuning_blocks(inputs: ReportInputs) -> list[Block]:
                         c.get("throughput_spread"), c.get("batches_formed"), c.get("meets_slo")])
         return out
     header = ["candidate", "batch / delay / workers×threads", "predicted req/s", "served req/s", "predicted p99 (ms)",
-              "served p99 (ms)", "rounds' spread", "batches formed {size: count}", "served p99 ≤ SLO"]
+              "served p99 (ms)", "noise (2 s.e. of the mean)", "batches formed {size: count}", "served p99 ≤ SLO"]
     contest = t.get("variant_contest")
     if contest:
         b.append(Heading("Variant contest", 3))

@@ -177,11 +177,13 @@ class CandidateResult:
         return self._mean("p99_ms")
 
     def spread(self, key: str) -> float:
-        """(max - min) / mean over the rounds: how far the repeats disagree."""
+        """Two standard errors of the rounds' mean, relative to it: how far the mean may be off. For
+        2 rounds this is exactly (max - min) / mean; unlike the range it shrinks as rounds are added,
+        which is what lets an undecided comparison be settled by serving more rounds."""
         vals = [r[key] for r in self._ok_rounds() if r.get(key) is not None]
         if len(vals) < 2 or not statistics.fmean(vals):
             return 0.0
-        return (max(vals) - min(vals)) / statistics.fmean(vals)
+        return 2 * statistics.stdev(vals) / math.sqrt(len(vals)) / statistics.fmean(vals)
 
     def batches_formed(self) -> dict:
         total: dict[str, int] = {}
@@ -227,9 +229,11 @@ def decide(results: list[CandidateResult], *, objective: str, slo_ms: float, min
             steps.append(f"{r.candidate.name}: not served in every round "
                          f"({[x.get('error') for x in r.rounds if not x.get('ok')][:1]}): out")
     if not served:
-        return {"chosen": 0, "slo_met": False, "steps": steps + ["nothing was served: the incumbent stays"]}
+        return {"chosen": 0, "slo_met": False, "steps": steps + ["nothing was served: the incumbent stays"],
+                "undecided": []}
     incumbent = results[0] if results[0].served else min(served, key=lambda r: r.p99)
     fits = [r for r in served if r.p99 <= slo_ms]
+    undecided: list[CandidateResult] = []
     key = "p99_ms" if objective == "latency" else "throughput_rps"
 
     def better(a: CandidateResult, b: CandidateResult) -> tuple[bool, float, float]:
@@ -277,6 +281,8 @@ def decide(results: list[CandidateResult], *, objective: str, slo_ms: float, min
         for r in ranked:
             ok, gain, band = better(r, chosen)
             what = "p99" if key == "p99_ms" else "throughput"
+            if not ok and gain > min_gain:
+                undecided.append(r)           # better by more than min_gain, but not beyond the noise yet
             if ok:
                 steps.append(f"{r.candidate.name}: {what} {gain:+.1%} vs {chosen.candidate.name}, beyond the noise "
                              f"band {band:.1%}: taken")
@@ -290,7 +296,25 @@ def decide(results: list[CandidateResult], *, objective: str, slo_ms: float, min
         for r in served:
             if r not in fits:
                 steps.append(f"{r.candidate.name}: served p99 {r.p99:.1f} ms > SLO {slo_ms:g} ms: out")
-    return {"chosen": results.index(chosen), "slo_met": chosen.p99 <= slo_ms, "steps": steps}
+    return {"chosen": results.index(chosen), "slo_met": chosen.p99 <= slo_ms, "steps": steps,
+            "undecided": [results.index(r) for r in undecided if r is not chosen]}
+
+
+def settle(results: list[CandidateResult], decided: dict, measure_round: Callable[[list[int], int], None],
+           *, rounds_done: int, max_rounds: int, redecide: Callable[[], dict]) -> tuple[dict, int]:
+    """While a challenger is better by more than min_gain but not beyond the noise, serve the chosen
+    one and those challengers one more interleaved round each (`measure_round(indices, round_no)`
+    appends to their results) and decide again, up to `max_rounds`. → (decision, extra rounds)."""
+    extra = 0
+    while decided.get("undecided") and rounds_done + extra < max_rounds:
+        extra += 1
+        idx = [decided["chosen"]] + decided["undecided"]
+        measure_round(idx, rounds_done + extra)
+        decided = redecide()
+        decided["steps"].insert(0, f"round {rounds_done + extra} served for "
+                                   f"{', '.join(results[i].candidate.name for i in idx)}: undecided after "
+                                   f"{rounds_done + extra - 1} (better by more than min_gain, within the noise)")
+    return decided, extra
 
 
 def slo_verdict(chosen: CandidateResult, results: list[CandidateResult], *, slo_ms: float,
@@ -564,6 +588,7 @@ class TuneSettings:
     measure_s: float = 2.0
     warmup_requests: int = 32
     frontend: bool = True
+    max_rounds: int = 4               # undecided comparisons get one more round at a time, up to this
     side_by_side: bool = False        # every candidate's server up at once (see Tuner)
 
 
@@ -583,12 +608,25 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
                   warmup_requests=s.warmup_requests, workroot=workroot, side_by_side=s.side_by_side,
                   progress=(bar.update if bar is not None else None))
     try:
+        def more(results: list[CandidateResult], fresh: bool):
+            def measure_round(idx: list[int], round_no: int) -> None:
+                if bar is not None:
+                    bar.total += len(idx)
+                for i, r in zip(idx, tuner.run_rounds([results[i].candidate for i in idx], 1, fresh=fresh)):
+                    results[i].rounds.extend(dict(x, round=round_no) for x in r.rounds)
+            return measure_round
+
+        def decided(results):
+            return lambda: decide(results, objective=objective, slo_ms=s.latency_slo_ms, min_gain=s.min_gain)
+
         phase1 = tuner.run_rounds(candidates, s.rounds)
-        d1 = decide(phase1, objective=objective, slo_ms=s.latency_slo_ms, min_gain=s.min_gain)
-        final, phase2, d2 = phase1[d1["chosen"]], [], None
+        d1, extra1 = settle(phase1, decided(phase1)(), more(phase1, False), rounds_done=s.rounds,
+                            max_rounds=s.max_rounds, redecide=decided(phase1))
+        final, phase2, d2, extra2 = phase1[d1["chosen"]], [], None, 0
         if s.frontend and final.served:
             phase2 = tuner.run_rounds(frontend_candidates(final.candidate), s.rounds, fresh=True)
-            d2 = decide(phase2, objective=objective, slo_ms=s.latency_slo_ms, min_gain=s.min_gain)
+            d2, extra2 = settle(phase2, decided(phase2)(), more(phase2, True), rounds_done=s.rounds,
+                                max_rounds=s.max_rounds, redecide=decided(phase2))
             final = phase2[d2["chosen"]]
         if bar is not None:
             bar.total += 1
@@ -614,6 +652,7 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
         "frontend": ({"candidates": [r.summary(s.latency_slo_ms) for r in phase2], "decision_steps": d2["steps"],
                       "chosen": final.candidate.frontend} if d2 else None),
         **verdict,
+        "extra_rounds": {"operating_point": extra1, "frontend": extra2},
         "server_starts": tuner.starts, "registrations": tuner.registrations,
         "server_start_s": [round(x, 2) for x in tuner.start_s],
         "duration_s": round(time.monotonic() - t0, 1),
@@ -643,19 +682,26 @@ def variant_contest(contenders: list[Contender], cases: list[HttpCase], s: TuneS
     results = [CandidateResult(dataclasses.replace(c.candidate, name=c.variant, origin="variant"))
                for c in contenders]
     n = len(contenders)
+    def redecide():
+        return decide(results, objective=objective, slo_ms=s.latency_slo_ms, min_gain=s.min_gain)
+
+    def measure_round(idx: list[int], round_no: int) -> None:
+        for k in range(len(idx)):
+            i = idx[(k + round_no - 1) % len(idx)]          # rotated, as the first rounds
+            results[i].rounds.extend(tuners[i].measure(contenders[i].candidate, round_no))
+
     try:
         for rnd in range(s.rounds):
-            for k in range(n):
-                i = (k + rnd) % n
-                results[i].rounds.extend(tuners[i].measure(contenders[i].candidate, rnd + 1))
+            measure_round(list(range(n)), rnd + 1)
+        d, extra = settle(results, redecide(), measure_round, rounds_done=s.rounds, max_rounds=s.max_rounds,
+                          redecide=redecide)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    d = decide(results, objective=objective, slo_ms=s.latency_slo_ms, min_gain=s.min_gain)
     chosen = contenders[d["chosen"]].variant
     return {"contenders": [c.variant for c in contenders], "chosen": chosen,
             "replaced_selection": chosen != contenders[0].variant,
             "candidates": [dict(r.summary(s.latency_slo_ms), variant=c.variant) for r, c in zip(results, contenders)],
-            "decision_steps": d["steps"], "server_starts": sum(t.starts for t in tuners),
+            "decision_steps": d["steps"], "extra_rounds": extra, "server_starts": sum(t.starts for t in tuners),
             "duration_s": round(time.monotonic() - t0, 1)}
 
 

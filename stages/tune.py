@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             settings = TuneSettings(latency_slo_ms=serve.latency_slo_ms, objective=serve.objective,
                                     min_gain=serve.min_batch_gain, expected_concurrency=serve.expected_concurrency,
                                     rounds=t.rounds, measure_s=t.measure_s, warmup_requests=t.warmup_requests,
-                                    frontend=t.frontend)
+                                    frontend=t.frontend, max_rounds=t.max_rounds)
             t_build = time.monotonic()
             with tempfile.TemporaryDirectory(prefix="tune-store-") as tmp:
                 store = Path(tmp) / "store"

@@ -101,6 +101,49 @@ def test_decide_keeps_the_offline_choice_within_noise_and_replaces_it_beyond():
     assert d["chosen"] == 1
 
 
+def test_the_noise_band_shrinks_with_rounds_and_an_undecided_challenger_gets_more():
+    """spread = 2 standard errors of the mean (the range for 2 rounds): the same scatter over more
+    rounds narrows it. A challenger better by more than min_gain but within the band is 'undecided';
+    settle() serves it and the incumbent more rounds until the band decides, up to max_rounds."""
+    from pipeline.tuning import settle
+    off, big = _cand("offline", 4, origin="offline"), _cand("batch 8", 8)
+    two = _result(off, [(100, 50), (120, 50)])
+    assert two.spread("throughput_rps") == pytest.approx(20 / 110)
+    four = _result(off, [(100, 50), (120, 50), (100, 50), (120, 50)])
+    assert four.spread("throughput_rps") < 0.7 * two.spread("throughput_rps")
+    # +12.7% against a 15.7% band (the AVX2 contest): undecided after 2 rounds.
+    results = [_result(off, [(239, 50), (205, 50)]), _result(big, [(246, 50), (254, 50)])]
+    d = decide(results, objective="throughput", slo_ms=100, min_gain=0.05)
+    assert d["chosen"] == 0 and d["undecided"] == [1]
+    served_rounds = []
+    more = {0: [(231, 50), (226, 50)], 1: [(262, 50), (258, 50)]}     # the next rounds, as the server answers
+
+    def measure_round(idx, round_no):
+        served_rounds.append((tuple(idx), round_no))
+        for i in idx:
+            tp, p99 = more[i].pop(0)
+            results[i].rounds.append({"ok": True, "throughput_rps": tp, "p99_ms": p99, "p50_ms": p99 / 2,
+                                      "round": round_no})
+
+    redecide = lambda: decide(results, objective="throughput", slo_ms=100, min_gain=0.05)  # noqa: E731
+    d, extra = settle(results, d, measure_round, rounds_done=2, max_rounds=4, redecide=redecide)
+    assert d["chosen"] == 1 and "taken" in d["steps"][-1] and served_rounds[0] == ((0, 1), 3)
+    assert extra == len(served_rounds) <= 2 and d["steps"][0].startswith(f"round {2 + extra} served")
+    # Nothing undecided (worse, or better beyond the noise): no extra round.
+    steady = [_result(off, [(100, 50), (101, 50)]), _result(big, [(180, 50), (182, 50)])]
+    d = decide(steady, objective="throughput", slo_ms=100, min_gain=0.05)
+    assert d["undecided"] == [] and settle(steady, d, measure_round, rounds_done=2, max_rounds=4,
+                                           redecide=redecide)[1] == 0
+    # max_rounds bounds it: still undecided at the cap, the incumbent stays.
+    noisy = [_result(off, [(100, 50), (130, 50)]), _result(big, [(112, 50), (140, 50)])]
+    more = {0: [(100, 50)] * 5, 1: [(140, 50)] * 5}
+    results = noisy
+    d = decide(noisy, objective="throughput", slo_ms=100, min_gain=0.05)
+    assert d["undecided"] == [1]
+    d, extra = settle(noisy, d, measure_round, rounds_done=2, max_rounds=3, redecide=redecide)
+    assert extra == 1 and d["chosen"] == 0 and d["undecided"] == [1]
+
+
 def test_verdict_follows_the_served_p99_not_the_prediction():
     c = _cand("offline", 2, origin="offline", predicted={"request_p99_ms": 25.0, "throughput_rps": 300.0})
     r = _result(c, [(160, 140), (168, 144)])
