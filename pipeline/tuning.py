@@ -300,17 +300,18 @@ def decide(results: list[CandidateResult], *, objective: str, slo_ms: float, min
             "undecided": [results.index(r) for r in undecided if r is not chosen]}
 
 
-def settle(results: list[CandidateResult], decided: dict, measure_round: Callable[[list[int], int], None],
-           *, rounds_done: int, max_rounds: int, redecide: Callable[[], dict]) -> tuple[dict, int]:
-    """While a challenger is better by more than min_gain but not beyond the noise, serve the chosen
-    one and those challengers one more interleaved round each (`measure_round(indices, round_no)`
-    appends to their results) and decide again, up to `max_rounds`. → (decision, extra rounds)."""
-    extra = 0
+def settle(results: list[CandidateResult], decide_now: Callable[[], dict],
+           measure_round: Callable[[list[int], int], None], *, rounds_done: int, max_rounds: int) -> tuple[dict, int]:
+    """Decide (`decide_now()` over `results`); while a challenger is better by more than min_gain but
+    not beyond the noise, serve the chosen one and those challengers one more interleaved round each
+    (`measure_round(indices, round_no)` appends to their results) and decide again, up to
+    `max_rounds`. → (decision, extra rounds)."""
+    decided, extra = decide_now(), 0
     while decided.get("undecided") and rounds_done + extra < max_rounds:
         extra += 1
         idx = [decided["chosen"]] + decided["undecided"]
         measure_round(idx, rounds_done + extra)
-        decided = redecide()
+        decided = decide_now()
         decided["steps"].insert(0, f"round {rounds_done + extra} served for "
                                    f"{', '.join(results[i].candidate.name for i in idx)}: undecided after "
                                    f"{rounds_done + extra - 1} (better by more than min_gain, within the noise)")
@@ -616,17 +617,17 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
                     results[i].rounds.extend(dict(x, round=round_no) for x in r.rounds)
             return measure_round
 
-        def decided(results):
+        def decider(results):
             return lambda: decide(results, objective=objective, slo_ms=s.latency_slo_ms, min_gain=s.min_gain)
 
         phase1 = tuner.run_rounds(candidates, s.rounds)
-        d1, extra1 = settle(phase1, decided(phase1)(), more(phase1, False), rounds_done=s.rounds,
-                            max_rounds=s.max_rounds, redecide=decided(phase1))
+        d1, extra1 = settle(phase1, decider(phase1), more(phase1, False), rounds_done=s.rounds,
+                            max_rounds=s.max_rounds)
         final, phase2, d2, extra2 = phase1[d1["chosen"]], [], None, 0
         if s.frontend and final.served:
             phase2 = tuner.run_rounds(frontend_candidates(final.candidate), s.rounds, fresh=True)
-            d2, extra2 = settle(phase2, decided(phase2)(), more(phase2, True), rounds_done=s.rounds,
-                                max_rounds=s.max_rounds, redecide=decided(phase2))
+            d2, extra2 = settle(phase2, decider(phase2), more(phase2, True), rounds_done=s.rounds,
+                                max_rounds=s.max_rounds)
             final = phase2[d2["chosen"]]
         if bar is not None:
             bar.total += 1
@@ -682,7 +683,8 @@ def variant_contest(contenders: list[Contender], cases: list[HttpCase], s: TuneS
     results = [CandidateResult(dataclasses.replace(c.candidate, name=c.variant, origin="variant"))
                for c in contenders]
     n = len(contenders)
-    def redecide():
+
+    def decide_now():
         return decide(results, objective=objective, slo_ms=s.latency_slo_ms, min_gain=s.min_gain)
 
     def measure_round(idx: list[int], round_no: int) -> None:
@@ -693,8 +695,7 @@ def variant_contest(contenders: list[Contender], cases: list[HttpCase], s: TuneS
     try:
         for rnd in range(s.rounds):
             measure_round(list(range(n)), rnd + 1)
-        d, extra = settle(results, redecide(), measure_round, rounds_done=s.rounds, max_rounds=s.max_rounds,
-                          redecide=redecide)
+        d, extra = settle(results, decide_now, measure_round, rounds_done=s.rounds, max_rounds=s.max_rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     chosen = contenders[d["chosen"]].variant

@@ -126,21 +126,22 @@ def test_the_noise_band_shrinks_with_rounds_and_an_undecided_challenger_gets_mor
                                       "round": round_no})
 
     redecide = lambda: decide(results, objective="throughput", slo_ms=100, min_gain=0.05)  # noqa: E731
-    d, extra = settle(results, d, measure_round, rounds_done=2, max_rounds=4, redecide=redecide)
+    d, extra = settle(results, redecide, measure_round, rounds_done=2, max_rounds=4)
     assert d["chosen"] == 1 and "taken" in d["steps"][-1] and served_rounds[0] == ((0, 1), 3)
     assert extra == len(served_rounds) <= 2 and d["steps"][0].startswith(f"round {2 + extra} served")
     # Nothing undecided (worse, or better beyond the noise): no extra round.
     steady = [_result(off, [(100, 50), (101, 50)]), _result(big, [(180, 50), (182, 50)])]
     d = decide(steady, objective="throughput", slo_ms=100, min_gain=0.05)
-    assert d["undecided"] == [] and settle(steady, d, measure_round, rounds_done=2, max_rounds=4,
-                                           redecide=redecide)[1] == 0
+    assert d["undecided"] == [] and settle(steady, lambda: decide(steady, objective="throughput", slo_ms=100,
+                                                                  min_gain=0.05),
+                                           measure_round, rounds_done=2, max_rounds=4)[1] == 0
     # max_rounds bounds it: still undecided at the cap, the incumbent stays.
     noisy = [_result(off, [(100, 50), (130, 50)]), _result(big, [(112, 50), (140, 50)])]
     more = {0: [(100, 50)] * 5, 1: [(140, 50)] * 5}
     results = noisy
     d = decide(noisy, objective="throughput", slo_ms=100, min_gain=0.05)
     assert d["undecided"] == [1]
-    d, extra = settle(noisy, d, measure_round, rounds_done=2, max_rounds=3, redecide=redecide)
+    d, extra = settle(noisy, redecide, measure_round, rounds_done=2, max_rounds=3)
     assert extra == 1 and d["chosen"] == 0 and d["undecided"] == [1]
 
 

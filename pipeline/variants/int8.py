@@ -183,8 +183,8 @@ class _OnnxInt8(Int8Mixin, OnnxConverter):
             candidates = weight_nodes(fp32)
             q = self._q()
             static = self.scheme != "dynamic"
-            # Smoothing (measured, or off) rewrites the graph every attempt then quantizes; the
-            # reference outputs stay the unsmoothed graph's.
+            # Smoothing (measured, or off) rewrites the fp32 graph once; every attempt quantizes that
+            # graph, judged against the unsmoothed graph's reference outputs (`cal`).
             groups, smooth_record = smoothing.choose(fp32, candidates, cal.feeds, q.smoothing_alpha,
                                                      self._reduce_range(), q.per_channel, static, RANKING_BATCHES)
             if groups:
