@@ -604,7 +604,8 @@ def startup_blocks(inputs: ReportInputs) -> list[Block]:
     vf = sc.get("ready_vs_floor") or {}
     if vf.get("ratio") is not None:
         rows.append(["READY vs server floor + raw read", f"{_fmt(vf['ratio'])}× ({_fmt(vf['ready_s'])} s against a "
-                     f"do-nothing model's {_fmt(vf['floor_ready_s'])} s + {_fmt(vf['raw_read_s'])} s raw read)"])
+                     f"do-nothing model's {_fmt(vf['floor_ready_s'])} s with as many workers "
+                     f"({vf.get('floor_workers') or 1}) + {_fmt(vf['raw_read_s'])} s raw read)"])
     hl = sc.get("handler_load_ms") or {}
     if hl.get("total") is not None:
         floor_ms = ((sc.get("server_floor") or {}).get("worker_load_ms"))

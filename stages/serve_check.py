@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from typing import Optional
 
 from pipeline.params import ParamsError, as_dict, load_params
 from pipeline.paths import BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR
@@ -68,15 +69,17 @@ def main(argv=None) -> int:
                   MODEL_STORE / store_entry(name, form), form)
         return 2
     alternate = next((spec for f, spec in forms.items() if f != form), None)
+    # The server's own floor, measured first, as the model is served (pipeline/server_floor.py):
+    # READY is judged against floor + raw read of the artifact.
+    floor = measure_server_floor(workers=served_workers(derivation), config=config, env=env)
     record = serve_check(forms[form], baseline, cases, task=params.model.task,
                          atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,
                          concurrency=sc.concurrency, time_cap_s=sc.time_cap_s, alternate=alternate,
                          store_form=form, startup=startup_evidence(derivation))
     if record["ok"]:
         record["references"] = references(params, forms[form], baseline, record, cases)
+    record["server_floor"] = floor
     if record["ready"]:
-        # The server's own floor in this run: READY is judged against floor + raw read of the artifact.
-        record["server_floor"] = measure_server_floor()
         raw_read_ms = (((derivation or {}).get("startup_timeout_s") or {}).get("inputs") or {}).get("raw_read_ms")
         record["ready_vs_floor"] = readiness_vs_floor(record["ready_s"], record["server_floor"], raw_read_ms)
     SERVE_CHECK_JSON.parent.mkdir(parents=True, exist_ok=True)
@@ -124,6 +127,12 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dic
     if out["ratios_handtuned"]:
         log.info("winner / hand-tuned over %d interleaved rounds: %s", sc.rounds, out["ratios_handtuned"])
     return out
+
+
+def served_workers(derivation: Optional[dict]) -> int:
+    """The worker count configure derived (derivation.json), 1 when unknown."""
+    value = ((derivation or {}).get("workers") or {}).get("value")
+    return int(value) if value else 1
 
 
 def start_env(serve_dir, name, store, config) -> dict:

@@ -193,6 +193,8 @@ def test_folder_store_chosen_above_threshold_served_and_measured_against_the_mar
     # READY judged against this run's server floor (a do-nothing model) + the artifact's raw read.
     floor, vs = rec["server_floor"], rec["ready_vs_floor"]
     assert floor["ready"] and floor["ready_s"] > 0
+    # ...measured as the model is served: as many workers starting at once, after an untimed start.
+    assert floor["workers"] == derivation["workers"]["value"] == vs["floor_workers"] and floor["primed"]
     assert vs["raw_read_s"] == pytest.approx(0.02) and vs["ratio"] == pytest.approx(
         rec["ready_s"] / (floor["ready_s"] + 0.02), rel=1e-2)
 
