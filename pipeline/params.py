@@ -137,6 +137,9 @@ class BenchmarkParams:
     # Per variant: no fresh process starts once it would pass this many seconds (after 2 rounds and
     # 3 cold loads; 0: no limit). A 90 MB model fits all of them; a 1.3 GB one would spend 3 min.
     budget_s: float = 60.0
+    # ...and no further steady round once every size's round p50s agree within this (0: never stop
+    # early): another round would move the figures less than the tie band selection applies anyway.
+    rounds_agree_within: float = 0.03
     # Later rounds visit their sizes round-robin in this many short windows, so every size's samples
     # span the round: host noise that comes and goes over seconds weighs on all sizes alike.
     interleave_passes: int = 4
@@ -383,6 +386,8 @@ def _check_semantics(p: Params) -> None:
             ("min_iters", b.min_iters, b.min_iters >= 1, "an integer >= 1"),
             ("min_duration_s", b.min_duration_s, b.min_duration_s >= 0, "seconds >= 0"),
             ("max_cv", b.max_cv, b.max_cv > 0, "a positive ratio, e.g. 0.15"),
+            ("rounds_agree_within", b.rounds_agree_within, 0 <= b.rounds_agree_within < 1,
+             "a ratio in [0, 1), e.g. 0.03 (0: every round budget_s allows)"),
             ("sweep_patience", b.sweep_patience, b.sweep_patience >= 1, "an integer >= 1"),
             ("latency_cap_ms", b.latency_cap_ms, b.latency_cap_ms > 0, "a positive number of milliseconds"),
             ("text_length", b.text_length, b.text_length >= 1, "a positive number of tokens")):

@@ -324,3 +324,48 @@ def test_the_benchmark_records_its_processes_within_the_budget(tiny):
     assert record["processes"]["steady_rounds"] == 2            # the minimum, whatever the budget
     assert record["cold_load"]["runs"] == 3
     assert all(len(p["round_p50_ms"]) == 2 for p in record["steady"].values())
+
+
+def _round_at(p50s_ms: dict) -> dict:
+    """A steady round's record with 6 samples per size around the given p50 (ms)."""
+    return {"points": {str(b): {"samples_s": [ms / 1e3 * f for f in (0.99, 1.0, 1.0, 1.0, 1.0, 1.01)]}
+                       for b, ms in p50s_ms.items()}}
+
+
+def test_rounds_agree_only_when_every_size_repeats_within_the_band():
+    from pipeline.measure.runner import rounds_agree
+    first = _round_at({1: 100.0, 2: 180.0, 8: 1500.0})            # batch 8: past the cap, measured once
+    assert not rounds_agree([first], 0.03)                      # one round has no spread
+    assert rounds_agree([first, _round_at({1: 101.0, 2: 182.0})], 0.03)
+    assert not rounds_agree([first, _round_at({1: 101.0, 2: 190.0})], 0.03)   # batch 2 5.4 % apart
+    assert not rounds_agree([first, _round_at({1: 100.0, 2: 180.0})], 0.0)    # 0: never
+
+
+def test_agreeing_rounds_end_the_series_after_the_minimum_cold_loads():
+    """Two rounds that agree: no third round, one cold load only (the 3rd), then nothing more —
+    although the budget would allow all five processes."""
+    from pipeline.measure.runner import ProcessBudget
+    now = [0.0]
+    budget = ProcessBudget(600.0, clock=lambda: now[0])
+    kinds = []
+    for i in range(5):
+        steady = i == 0 or budget.round_allowed(rounds_agree=i >= 2)
+        if i > 0 and budget.stop_before(i, "spec" if steady else None):
+            break
+        now[0] += 10.0
+        budget.ran("steady" if steady else "cold", 10.0)
+        kinds.append("steady" if steady else "cold")
+    assert kinds == ["steady", "steady", "cold"]
+    assert budget.as_dict()["rounds_agreed"] is True
+
+
+def test_the_benchmark_stops_adding_rounds_once_they_agree(tiny):
+    """A wide band: the rounds agree after two, so five steady runs allowed become two + one cold load;
+    with the check off, all of them run."""
+    settings = dataclasses.replace(FAST, cold_runs=5, steady_runs=5, budget_s=0, rounds_agree_within=0.99)
+    record = benchmark_variant(tiny["dir"], "tiny", settings, "cpu", loader=tiny["loader"], feeds=tiny["feeds"])
+    assert record["processes"]["steady_rounds"] == 2 and record["processes"]["rounds_agreed"]
+    assert record["cold_load"]["runs"] == 3
+    off = benchmark_variant(tiny["dir"], "tiny", dataclasses.replace(settings, rounds_agree_within=0.0), "cpu",
+                            loader=tiny["loader"], feeds=tiny["feeds"])
+    assert off["processes"]["steady_rounds"] == 5 and not off["processes"]["rounds_agreed"]

@@ -55,14 +55,20 @@ class ProcessBudget:
         guess = sum(past) / len(past) if past else 0.0
         return not self.budget_s or self.clock() - self.started + guess <= self.budget_s
 
-    def round_allowed(self) -> bool:
-        if len(self.took["steady"]) < self.MIN_STEADY_ROUNDS or self._fits("steady"):
+    settled: bool = False                 # the rounds agree: no further process is needed for them
+
+    def round_allowed(self, rounds_agree: bool = False) -> bool:
+        if len(self.took["steady"]) < self.MIN_STEADY_ROUNDS:
+            return True
+        if rounds_agree:
+            self.settled = True
+        elif self._fits("steady"):
             return True
         self.cut += 1
         return False
 
     def stop_before(self, i: int, spec) -> bool:
-        if spec is not None or i < self.MIN_COLD_RUNS or self._fits("cold"):
+        if spec is not None or i < self.MIN_COLD_RUNS or (not self.settled and self._fits("cold")):
             return False
         self.cut += 1
         return True
@@ -72,7 +78,7 @@ class ProcessBudget:
 
     def as_dict(self) -> dict:
         return {"budget_s": self.budget_s, "steady_rounds": len(self.took["steady"]),
-                "cold_only": len(self.took["cold"]), "cut": self.cut,
+                "cold_only": len(self.took["cold"]), "cut": self.cut, "rounds_agreed": self.settled,
                 "spent_s": round(self.clock() - self.started, 2)}
 
 
@@ -83,6 +89,7 @@ class BenchmarkSettings:
     cold_runs: int = 5
     steady_runs: int = 5
     budget_s: float = 60.0           # per variant: see ProcessBudget
+    rounds_agree_within: float = 0.03  # stop adding rounds once every size's round p50s agree this closely
     interleave_passes: int = 4
     warmup_iters: int = 5
     warmup_max_s: float = 1.0
@@ -131,6 +138,24 @@ def repeat_sizes(first_round: dict, latency_cap_ms: float) -> list[int]:
     return keep
 
 
+def rounds_agree(rounds: list[dict], within: float) -> bool:
+    """Every size the later rounds re-measure has round p50s within `within` of each other
+    (RepeatedLatency.spread), over at least two rounds: another round would move the figures less
+    than the tie band selection applies anyway, so the process is saved (0: never)."""
+    if within <= 0 or len(rounds) < ProcessBudget.MIN_STEADY_ROUNDS:
+        return False
+    later = rounds[1:]
+    sizes = set.intersection(*(set(r["points"]) for r in later))
+    if not sizes:
+        return False
+    for key in sizes:
+        rep = RepeatedLatency(tuple(LatencySummary.from_samples(r["points"][key]["samples_s"], int(key))
+                                    for r in rounds if key in r["points"]))
+        if rep.spread > within:
+            return False
+    return True
+
+
 def host_reference(rounds: list[dict]) -> HostReference:
     """The reference windows every round timed (none from a child that predates them)."""
     return HostReference(tuple(tuple(r.get("reference_ms") or ()) for r in rounds))
@@ -175,7 +200,7 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
         spec = None
         if i == 0:
             spec = settings.round_spec(settings.batch_sizes, sweep=True)
-        elif i < settings.steady_runs and budget.round_allowed():
+        elif i < settings.steady_runs and budget.round_allowed(rounds_agree(done, settings.rounds_agree_within)):
             sizes = repeat_sizes(done[0], settings.latency_cap_ms)
             spec = settings.round_spec(sizes, sweep=False) if sizes else None
         current.update(kind="cold" if spec is None else "steady", since=time.monotonic())
@@ -194,9 +219,10 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
         bar.close()
     log.info("%s: %s", variant, runs.cold.render())
     if budget.cut:
-        log.info("%s: %d steady round(s) and %d cold load(s) within benchmark.budget_s %g s (%d process(es) "
-                 "not started or cold-only)", variant, len(budget.took["steady"]), runs.cold.runs,
-                 settings.budget_s, budget.cut)
+        why = (f"the rounds agree within benchmark.rounds_agree_within {settings.rounds_agree_within:g}"
+               if budget.settled else f"within benchmark.budget_s {settings.budget_s:g} s")
+        log.info("%s: %d steady round(s) and %d cold load(s): %s (%d process(es) not started or cold-only)",
+                 variant, len(budget.took["steady"]), runs.cold.runs, why, budget.cut)
     steady = combine_rounds(runs.rounds, settings.max_cv)
     for key, point in steady.items():
         log.info("%s: batch %s: p50 %.2f ms (rounds %s), p99 %.2f ms, cv %.1f%%, spread %.1f%%, %.1f samples/s%s",
