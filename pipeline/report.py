@@ -876,6 +876,8 @@ def tuning_blocks(inputs: ReportInputs) -> list[Block]:
         b.append(Heading("Frontend settings", 3))
         b.append(Table(header, rows(fe.get("candidates") or [])))
         b.append(Para("Why: " + " → ".join(fe.get("decision_steps") or [])))
+    elif t.get("frontend_skipped"):
+        b.append(Para("Frontend settings: " + t["frontend_skipped"] + "."))
     refs = (inputs.serve_check or {}).get("references") or {}
     setups = refs.get("setups") or {}
     if setups:

@@ -151,6 +151,29 @@ def frontend_candidates(base: OperatingCandidate) -> list[OperatingCandidate]:
                       for label, settings in FRONTEND_CANDIDATES]
 
 
+# The frontend alternatives are served only when the server loses at least this share of the
+# model's own throughput (the benchmark's prediction for the chosen point): where requests spend
+# their time in the model (bert-large: 34.1 req/s served of 34.3 predicted) no frontend setting can
+# give more, and six more server starts of a GB-sized model cost a minute; MiniLM serves ~300 of
+# ~560 req/s, and there they are worth measuring.
+FRONTEND_MIN_LOSS = 0.2
+
+
+def frontend_worth_tuning(chosen: "CandidateResult") -> tuple[bool, str]:
+    """(serve the frontend alternatives?, why), from the chosen point's served vs predicted throughput."""
+    predicted = (chosen.candidate.predicted or {}).get("throughput_rps")
+    served = chosen.throughput
+    if not predicted or served is None:
+        return True, "no offline prediction for the chosen point to compare its served throughput with"
+    loss = 1.0 - served / predicted
+    figures = (f"{chosen.candidate.name} served {served:.1f} req/s of the {predicted:.1f} the model alone "
+               f"gives (benchmark)")
+    if loss >= FRONTEND_MIN_LOSS:
+        return True, f"{figures}: the server loses {loss:.0%} outside the model"
+    return False, (f"{figures}: the server loses {max(loss, 0.0):.0%} < {FRONTEND_MIN_LOSS:.0%} outside the model, "
+                   f"so no frontend setting can add throughput; not served")
+
+
 # --------------------------------------------------------------------------- results and decisions
 @dataclass
 class CandidateResult:
@@ -624,7 +647,11 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
         d1, extra1 = settle(phase1, decider(phase1), more(phase1, False), rounds_done=s.rounds,
                             max_rounds=s.max_rounds)
         final, phase2, d2, extra2 = phase1[d1["chosen"]], [], None, 0
+        frontend_why = "tune.frontend is false"
         if s.frontend and final.served:
+            worth, frontend_why = frontend_worth_tuning(final)
+            log.info("frontend settings: %s", frontend_why)
+        if s.frontend and final.served and worth:
             phase2 = tuner.run_rounds(frontend_candidates(final.candidate), s.rounds, fresh=True)
             d2, extra2 = settle(phase2, decider(phase2), more(phase2, True), rounds_done=s.rounds,
                                 max_rounds=s.max_rounds)
@@ -651,7 +678,8 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
         "candidates": [r.summary(s.latency_slo_ms) for r in phase1],
         "decision_steps": d1["steps"],
         "frontend": ({"candidates": [r.summary(s.latency_slo_ms) for r in phase2], "decision_steps": d2["steps"],
-                      "chosen": final.candidate.frontend} if d2 else None),
+                      "chosen": final.candidate.frontend, "why": frontend_why} if d2 else None),
+        "frontend_skipped": None if d2 else frontend_why,
         **verdict,
         "extra_rounds": {"operating_point": extra1, "frontend": extra2},
         "server_starts": tuner.starts, "registrations": tuner.registrations,
@@ -740,7 +768,8 @@ def tuned_derivation(configured: dict, record: dict) -> dict:
                         "inputs": {"served": ({"candidates": [{k: c[k] for k in ("name", "throughput_rps", "p99_ms",
                                                                                  "throughput_spread")}
                                                               for c in fe["candidates"]],
-                                               "steps": fe["decision_steps"]} if fe else "not measured")},
+                                               "steps": fe["decision_steps"]} if fe else
+                                              f"not measured: {record.get('frontend_skipped') or 'not tuned'}")},
                         "overridden": False}
     w, b = chosen["workers"], chosen["batch_size"]
     q = out.get("job_queue_size") or {}

@@ -63,6 +63,20 @@ def _result(c, rounds):
 
 
 # --------------------------------------------------------------------------- pure logic
+def test_frontend_is_tuned_only_where_the_server_loses_throughput_outside_the_model():
+    """bert-large's chosen point served 34.1 of the 34.3 req/s predicted: nothing for a frontend
+    setting to win, so its six server starts are saved; MiniLM's 300 of 558 req/s: worth serving."""
+    from pipeline.tuning import frontend_worth_tuning
+    big = _result(_cand("batch 4", 4, predicted={"throughput_rps": 34.3}), [(34.0, 570.0), (34.2, 580.0)])
+    worth, why = frontend_worth_tuning(big)
+    assert not worth and "34.1 req/s of the 34.3" in why and "not served" in why
+    small = _result(_cand("offline", 8, predicted={"throughput_rps": 558.2}), [(296.0, 90.0), (308.0, 86.0)])
+    worth, why = frontend_worth_tuning(small)
+    assert worth and "loses 46%" in why
+    worth, why = frontend_worth_tuning(_result(_cand("1 worker", 2), [(20.0, 900.0)]))
+    assert worth and "no offline prediction" in why
+
+
 def test_candidates_from_curve_offline_first_then_larger_batches_and_the_other_layout():
     curve = [CurvePoint(b, p50_ms=5.0 * b, p99_ms=6.0 * b, throughput_sps=100.0 + 20 * b) for b in (1, 2, 4, 8, 16)]
     offline = {"batch_size": 2, "max_batch_delay_ms": 3, "workers": 2, "threads_per_worker": 1}
