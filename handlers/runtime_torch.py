@@ -1,5 +1,6 @@
 """PyTorch family: `eager` (torch.export ExportedProgram), `torchscript` (also the fp16/bf16 variants)
-and `aoti` (AOTInductor package). None needs the model's Python code.
+and `aoti` (AOTInductor: the model library itself on CPU, the package on CUDA). None needs the
+model's Python code.
 
 Half-precision variants take and return float32 at the boundary: floating inputs are cast to the
 variant's dtype here and outputs back to float32, so callers never see fp16/bf16.
@@ -37,6 +38,21 @@ def set_threads(threads: Optional[int]) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass  # already set (or parallel work already started) in this process: keep it
+
+
+class AotiLibrary:
+    """A CPU AOTInductor model library opened in place: what `aoti_load_package` does after it has
+    extracted the package to a temporary folder (see pipeline/variants/aoti.py), without the copy."""
+
+    def __init__(self, path: Path):
+        from torch.utils import _pytree as pytree
+        self._unflatten = pytree.tree_unflatten
+        self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+        self.out_spec = pytree.treespec_loads(self.runner.get_call_spec()[1])
+
+    def __call__(self, *tensors: torch.Tensor):
+        # The program was exported with positional tensors only, so they are its flat inputs.
+        return self._unflatten(self.runner.run(list(tensors)), self.out_spec)
 
 
 class TorchRuntime(Runtime):
@@ -77,7 +93,10 @@ class TorchRuntime(Runtime):
             # TMPDIR by default: ~10 s on every start when each server gets its own TEMP (TorchServe).
             # A per-user cache makes only a host's first start pay it (the benchmark measures that one).
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "torchinductor"))
-            self.model = torch._inductor.aoti_load_package(str(path))
+            if path.suffix == ".so":      # unpacked at build time (CPU): opened where it lies
+                self.model = AotiLibrary(path)
+            else:
+                self.model = torch._inductor.aoti_load_package(str(path))
             t2 = time.perf_counter()
         if device == "cuda":
             torch.cuda.synchronize()

@@ -235,7 +235,35 @@ def test_aoti_compiles_a_dynamic_batch_package(make_params, tmp_path):
     record = convert("aoti", params, loaded, golden, tmp_path / "aoti")
     assert_converted(record, tmp_path / "aoti", golden)
     assert record["verification"]["batch_sizes"] == [1, 3, 4]
-    assert json.loads((tmp_path / "aoti" / "variant.json").read_text())["device"] == "cpu"
+    variant = json.loads((tmp_path / "aoti" / "variant.json").read_text())
+    assert variant["device"] == "cpu"
+    # On CPU the library ships unpacked (opened in place at load), not the package it came in.
+    assert variant["artifact"] == "aoti.so" and not (tmp_path / "aoti" / "aoti.pt2").exists()
+    runtime = load_runtime(tmp_path / "aoti")
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    with torch.no_grad():
+        expected = loaded.module(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(runtime.run({"input": x})[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_aoti_unpacks_only_a_package_whose_library_is_all_it_needs(tmp_path):
+    import zipfile
+
+    from pipeline.variants.aoti import unpack_library
+    model = "m/data/aotinductor/model/"
+    cases = {"cpu": {model + "abc.wrapper.so": b"ELF", model + "abc.wrapper.cpp": b"src",
+                     model + "abc.wrapper_metadata.json": b"{}", "m/byteorder": b"little", "m/archive_format": b"pt2", "m/archive_version": b"1"},
+             "cuda": {model + "abc.wrapper.so": b"ELF", model + "k1.cubin": b"bin"},
+             "weights apart": {model + "abc.wrapper.so": b"ELF", "m/data/weights/w0": b"w"}}
+    for name, members in cases.items():
+        package = tmp_path / f"{name}.pt2"
+        with zipfile.ZipFile(package, "w") as z:
+            for member, data in members.items():
+                z.writestr(member, data)
+        dest = tmp_path / f"{name}.so"
+        assert unpack_library(package, dest) == (name == "cpu")
+        assert dest.exists() == (name == "cpu")
+    assert (tmp_path / "cpu.so").read_bytes() == b"ELF"
 
 
 def test_module_copy_shares_unchanged_weights_and_converts_without_an_fp32_copy():
