@@ -294,7 +294,8 @@ def test_steady_rounds_really_run_in_separate_processes(tiny):
 
 def test_process_budget_keeps_the_minimums_then_stops_starting_processes():
     """A variant whose rounds take 30 s under a 60 s budget: the 2nd round still runs (a spread needs
-    two), the 3rd becomes a cold load only, and cold loads stop after the 3rd; with no budget all run."""
+    two), and nothing more starts: the two rounds' processes are the two cold loads; with no budget
+    all run."""
     from pipeline.measure.runner import ProcessBudget
     now = [0.0]
     budget = ProcessBudget(60.0, clock=lambda: now[0])
@@ -307,7 +308,7 @@ def test_process_budget_keeps_the_minimums_then_stops_starting_processes():
         now[0] += took
         budget.ran("steady" if steady else "cold", took)
         kinds.append("steady" if steady else "cold")
-    assert kinds == ["steady", "steady", "cold"]
+    assert kinds == ["steady", "steady"]
     assert budget.as_dict()["steady_rounds"] == 2 and budget.as_dict()["cut"] >= 2
 
     now[0] = 0.0
@@ -322,7 +323,7 @@ def test_the_benchmark_records_its_processes_within_the_budget(tiny):
     settings = dataclasses.replace(FAST, cold_runs=5, steady_runs=4, budget_s=0.001)
     record = benchmark_variant(tiny["dir"], "tiny", settings, "cpu", loader=tiny["loader"], feeds=tiny["feeds"])
     assert record["processes"]["steady_rounds"] == 2            # the minimum, whatever the budget
-    assert record["cold_load"]["runs"] == 3
+    assert record["cold_load"]["runs"] == 2                      # ...and their processes' cold loads
     assert all(len(p["round_p50_ms"]) == 2 for p in record["steady"].values())
 
 
@@ -342,8 +343,8 @@ def test_rounds_agree_only_when_every_size_repeats_within_the_band():
 
 
 def test_agreeing_rounds_end_the_series_after_the_minimum_cold_loads():
-    """Two rounds that agree: no third round, one cold load only (the 3rd), then nothing more —
-    although the budget would allow all five processes."""
+    """Two rounds that agree: no third round and no cold-only process (the rounds' own processes are
+    the minimum two cold loads), although the budget would allow all five processes."""
     from pipeline.measure.runner import ProcessBudget
     now = [0.0]
     budget = ProcessBudget(600.0, clock=lambda: now[0])
@@ -355,17 +356,17 @@ def test_agreeing_rounds_end_the_series_after_the_minimum_cold_loads():
         now[0] += 10.0
         budget.ran("steady" if steady else "cold", 10.0)
         kinds.append("steady" if steady else "cold")
-    assert kinds == ["steady", "steady", "cold"]
+    assert kinds == ["steady", "steady"]
     assert budget.as_dict()["rounds_agreed"] is True
 
 
 def test_the_benchmark_stops_adding_rounds_once_they_agree(tiny):
-    """A wide band: the rounds agree after two, so five steady runs allowed become two + one cold load;
-    with the check off, all of them run."""
+    """A wide band: the rounds agree after two, so of five steady runs allowed two run; with the check
+    off, all of them do."""
     settings = dataclasses.replace(FAST, cold_runs=5, steady_runs=5, budget_s=0, rounds_agree_within=0.99)
     record = benchmark_variant(tiny["dir"], "tiny", settings, "cpu", loader=tiny["loader"], feeds=tiny["feeds"])
     assert record["processes"]["steady_rounds"] == 2 and record["processes"]["rounds_agreed"]
-    assert record["cold_load"]["runs"] == 3
+    assert record["cold_load"]["runs"] == 2
     off = benchmark_variant(tiny["dir"], "tiny", dataclasses.replace(settings, rounds_agree_within=0.0), "cpu",
                             loader=tiny["loader"], feeds=tiny["feeds"])
     assert off["processes"]["steady_rounds"] == 5 and not off["processes"]["rounds_agreed"]

@@ -36,9 +36,10 @@ class ProcessBudget:
     """How many fresh processes a variant gets: up to steady_runs rounds and cold_runs cold loads,
     but none is started once the time spent plus what such a process took so far (its mean) would
     pass `budget_s` — after at least MIN_STEADY_ROUNDS rounds (a spread needs two) and MIN_COLD_RUNS
-    cold loads. A round that does not fit becomes a cold load only. For a 90 MB model every process
-    fits (a few seconds each); a 1.3 GB one spends 8 s on each load and 30 s on each round, and five
-    of each would take three minutes per variant."""
+    cold loads (the rounds' own processes are cold loads too, so a big model gets no cold-only
+    one). A round that does not fit becomes a cold load only. For a 90 MB model every process fits
+    (a few seconds each); a 1.3 GB one spends 8 s on each load and 30 s on each round, and five of
+    each would take three minutes per variant."""
     budget_s: float                       # 0: no limit
     clock: Callable[[], float] = time.monotonic
     took: dict = field(default_factory=lambda: {"steady": [], "cold": []})
@@ -48,7 +49,7 @@ class ProcessBudget:
         self.started = self.clock()
 
     MIN_STEADY_ROUNDS = 2
-    MIN_COLD_RUNS = 3
+    MIN_COLD_RUNS = 2
 
     def _fits(self, kind: str) -> bool:
         past = self.took[kind] or self.took["steady"] or self.took["cold"]
