@@ -146,7 +146,9 @@ class BenchmarkParams:
     warmup_iters: int = 5                      # per batch size and round...
     warmup_max_s: float = 1.0                  # ...cut short after this (at least 2 calls)
     min_iters: int = 6                         # per batch size and round: BOTH this many calls...
-    min_duration_s: float = 0.3                # ...AND this long
+    min_duration_s: float = 0.3                # ...AND this long;
+    point_max_s: float = 2.0                   # or this long with at least 3 calls (0: no cap): a big model's
+                                               # 1.5-s call would need 9 s per size and round for min_iters
     max_cv: float = 0.15                       # re-measure once above this, then flag as noisy; also
                                                # flags a point whose rounds' p50s spread more than this
     min_gain: float = 0.05                     # stop the sweep when throughput gains fall under this...
@@ -386,6 +388,7 @@ def _check_semantics(p: Params) -> None:
             ("min_iters", b.min_iters, b.min_iters >= 1, "an integer >= 1"),
             ("min_duration_s", b.min_duration_s, b.min_duration_s >= 0, "seconds >= 0"),
             ("max_cv", b.max_cv, b.max_cv > 0, "a positive ratio, e.g. 0.15"),
+            ("point_max_s", b.point_max_s, b.point_max_s >= 0, "seconds >= 0 (0: every point takes min_iters calls)"),
             ("rounds_agree_within", b.rounds_agree_within, 0 <= b.rounds_agree_within < 1,
              "a ratio in [0, 1), e.g. 0.03 (0: every round budget_s allows)"),
             ("sweep_patience", b.sweep_patience, b.sweep_patience >= 1, "an integer >= 1"),

@@ -34,6 +34,24 @@ def test_stop_rule_needs_both_iterations_and_duration():
         StopRule(0, 1.0)
 
 
+def test_a_time_cap_ends_slow_points_after_three_calls_and_never_fast_ones():
+    """point_max_s: a 1.5-s call stops after 3 calls (4.5 s) instead of min_iters' 6 (9 s); a fast
+    one still takes its min_iters; the interleaved windows share the cap and the floor."""
+    capped = StopRule(min_iters=6, min_duration_s=0.3, max_s=2.0)
+    def iters(call_s, rule):
+        clock = FakeClock()
+        return measure_latency(clock.call(call_s), 1, rule, clock=clock).iters
+    assert iters(1.5, capped) == 3
+    assert iters(0.5, capped) == 4                          # 2 s reached after 4 calls
+    assert iters(0.05, capped) == 6
+    assert iters(1.5, StopRule(6, 0.3)) == 6                # no cap: as before
+    window = capped.per_pass(4)
+    assert (window.min_iters, window.max_s, window.floor_iters) == (2, 0.5, 1)
+    assert window.done(1, 0.9) and not window.done(1, 0.4)
+    with pytest.raises(ValueError):
+        StopRule(6, 0.3, max_s=0.0)
+
+
 def test_measure_latency_duration_binds_when_calls_are_fast():
     clock = FakeClock()
     s = measure_latency(clock.call(0.1), 2, StopRule(min_iters=5, min_duration_s=1.0), warmup_iters=3, clock=clock)

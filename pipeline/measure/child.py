@@ -85,11 +85,11 @@ def steady_round(runtime, make_feeds, model_dir: str, device: str, threads, seq_
     from pipeline.measure import memory
     from pipeline.measure.device import synchronizer
     from pipeline.measure.reference import reference_window_ms
-    from pipeline.measure.steady import StopRule, measure_interleaved, measure_latency, measure_stable, sweep
+    from pipeline.measure.steady import measure_interleaved, measure_latency, measure_stable, sweep
 
     sync = synchronizer(device)
     gpu = memory.GpuMemoryTracker(device)
-    rule = StopRule(spec.min_iters, spec.min_duration_s)
+    rule = spec.stop_rule()
     after_call = gpu.sample if gpu.active else None
     points: dict = {}
     # the host's speed, in windows between the model's (pipeline/measure/reference.py)

@@ -96,6 +96,7 @@ class BenchmarkSettings:
     warmup_max_s: float = 1.0
     min_iters: int = 6
     min_duration_s: float = 0.3
+    point_max_s: float = 2.0         # ...or this long with at least 3 calls (0: no cap); see StopRule
     max_cv: float = 0.15
     min_gain: float = 0.05
     sweep_patience: int = 2
@@ -112,7 +113,8 @@ class BenchmarkSettings:
 
     def round_spec(self, batch_sizes, sweep: bool) -> RoundSpec:
         return RoundSpec(tuple(batch_sizes), sweep, self.interleave_passes, self.warmup_iters, self.warmup_max_s, self.min_iters,
-                         self.min_duration_s, self.max_cv, self.min_gain, self.sweep_patience, self.latency_cap_ms)
+                         self.min_duration_s, self.max_cv, self.min_gain, self.sweep_patience, self.latency_cap_ms,
+                         self.point_max_s or None)
 
 
 def outcome_record(variant: str, status: str, reason: Optional[str], device: str,

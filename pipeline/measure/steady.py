@@ -15,18 +15,32 @@ Clock = Callable[[], float]
 
 @dataclass(frozen=True)
 class StopRule:
-    """Stop measuring once BOTH min_iters calls were timed AND min_duration_s elapsed."""
+    """Stop measuring once BOTH min_iters calls were timed AND min_duration_s elapsed — or, with
+    `max_s`, once that long has passed and at least `floor_iters` calls were timed: a big model's
+    1.5-s call reaches its min_iters only after 9 s at one size, where three calls already give
+    the figure as well as its round-to-round spread allows."""
     min_iters: int
     min_duration_s: float
+    max_s: Optional[float] = None
+    floor_iters: int = 3
 
     def __post_init__(self):
         if self.min_iters < 1:
             raise ValueError(f"min_iters must be >= 1, got {self.min_iters}")
         if self.min_duration_s < 0:
             raise ValueError(f"min_duration_s must be >= 0, got {self.min_duration_s}")
+        if self.max_s is not None and self.max_s <= 0:
+            raise ValueError(f"max_s must be > 0 or None, got {self.max_s}")
 
     def done(self, iters: int, elapsed_s: float) -> bool:
-        return iters >= self.min_iters and elapsed_s >= self.min_duration_s
+        if iters >= self.min_iters and elapsed_s >= self.min_duration_s:
+            return True
+        return self.max_s is not None and elapsed_s >= self.max_s and iters >= min(self.floor_iters, self.min_iters)
+
+    def per_pass(self, passes: int) -> "StopRule":
+        """The share of this rule one of `passes` interleaved windows gets."""
+        return StopRule(-(-self.min_iters // passes), self.min_duration_s / passes,
+                        None if self.max_s is None else self.max_s / passes, -(-self.floor_iters // passes))
 
 
 # JIT runtimes (TorchScript's profiling executor) specialise on the 2nd call: warm-up never stops before it
@@ -171,7 +185,7 @@ def measure_interleaved(calls: dict[int, Callable[[], Any]], rule: StopRule, pas
     `after_pass` runs between passes (untimed), e.g. to time the host reference."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
-    per_pass = StopRule(-(-rule.min_iters // passes), rule.min_duration_s / passes)
+    per_pass = rule.per_pass(passes)
     samples: dict[int, list[float]] = {b: [] for b in calls}
     for i in range(passes):
         for b, call in calls.items():
@@ -199,6 +213,10 @@ class RoundSpec:
     min_gain: float
     patience: int
     latency_cap_ms: float
+    point_max_s: Optional[float] = None
+
+    def stop_rule(self) -> StopRule:
+        return StopRule(self.min_iters, self.min_duration_s, self.point_max_s)
 
     def policy(self) -> Optional[SweepPolicy]:
         return SweepPolicy(self.min_gain, self.latency_cap_ms, self.patience) if self.sweep else None
