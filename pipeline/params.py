@@ -230,7 +230,10 @@ class ServeCheckParams:
     time_cap_s: float = 30.0
     baseline: bool = True
     handtuned: bool = True                     # also serve the hand-tuned ONNX reference (pipeline/handtuned.py)
-    rounds: int = 2                            # winner, hand-tuned and baseline served in interleaved rounds
+    rounds: int = 2                            # winner, hand-tuned and baseline served in interleaved rounds...
+    # ...a reference again only while its comparison is undecided: throughput, p99 or READY within
+    # this share of parity (0: every round for every setup)
+    decided_band: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -435,6 +438,9 @@ def _check_semantics(p: Params) -> None:
             raise _bad(f"tune.{key}", value, allowed)
     if p.serve_check.rounds < 1:
         raise _bad("serve_check.rounds", p.serve_check.rounds, "an integer >= 1")
+    if p.serve_check.decided_band < 0:
+        raise _bad("serve_check.decided_band", p.serve_check.decided_band,
+                   "a ratio >= 0, e.g. 0.25 (0: every round for every setup)")
     if not _NAME_OK(m.name):
         raise _bad("model.name", m.name, "letters, digits, '_', '-', '.', starting with a letter or digit")
 

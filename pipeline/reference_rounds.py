@@ -7,6 +7,11 @@ full checks serve_check already ran (winner, baseline); later rounds are load-on
 
 The ratios winner / hand-tuned are the medians of the rounds: throughput (also counted only when
 the median p99 is within the SLO), p99 and time to READY.
+
+A later round serves only the references whose comparison is still undecided — throughput, p99 or
+READY within `decided_band` of parity — with the winner beside them: the host's drift cannot turn a
+22× throughput or a 0.45× READY around, and for a 1.3 GB model the naive baseline's round takes
+~50 s. No reference left undecided: no more rounds (the record lists each setup's rounds).
 """
 from __future__ import annotations
 
@@ -50,11 +55,27 @@ def ratios(a: dict, b: dict) -> dict:
             "p99": div(a.get("p99_ms"), b.get("p99_ms")), "ready": div(a.get("ready_s"), b.get("ready_s"))}
 
 
+def undecided(per: dict[str, list[dict]], band: float, winner: str = "winner") -> list[str]:
+    """The references whose ratios to the winner (medians so far) are not all beyond `band` of
+    parity (1/(1+band) .. 1+band) on throughput, p99 and READY; every reference when band <= 0."""
+    refs = [n for n in per if n != winner]
+    if band <= 0 or winner not in per:
+        return refs
+    w = summarise(per[winner], float("inf"))
+    open_ = []
+    for name in refs:
+        r = ratios(w, summarise(per[name], float("inf")))
+        if any(r[k] is None or 1 / (1 + band) < r[k] < 1 + band for k in ("throughput", "p99", "ready")):
+            open_.append(name)
+    return open_
+
+
 def interleaved_rounds(specs: dict[str, ServerSpec], cases: list[HttpCase], *, task: str, rounds: int,
                        requests: int, concurrency: int, time_cap_s: float, slo_ms: float,
-                       first_round: Optional[dict[str, dict]] = None) -> dict[str, Any]:
-    """{setup: summary} over `rounds` rounds. first_round: check_server results already measured
-    in this run (they count as round 1; the setups missing from it are served after them)."""
+                       first_round: Optional[dict[str, dict]] = None, decided_band: float = 0.0) -> dict[str, Any]:
+    """{setup: summary} over up to `rounds` rounds (see `undecided` for `decided_band`). first_round:
+    check_server results already measured in this run (they count as round 1; the setups missing
+    from it are served after them)."""
     names = list(specs)
     per: dict[str, list[dict]] = {n: [] for n in names}
     done = dict(first_round or {})
@@ -73,8 +94,14 @@ def interleaved_rounds(specs: dict[str, ServerSpec], cases: list[HttpCase], *, t
         else:
             serve(name, 1)
     for rnd in range(1, rounds):
-        for k in range(len(names)):
-            serve(names[(k + rnd) % len(names)], rnd + 1)
+        open_ = undecided(per, decided_band)
+        if not open_:
+            log.info("after round %d every comparison with the winner is beyond %.0f%% of parity "
+                     "(serve_check.decided_band): no further round", rnd, 100 * decided_band)
+            break
+        served = [n for n in names if n == "winner" or n in open_]
+        for k in range(len(served)):
+            serve(served[(k + rnd) % len(served)], rnd + 1)
     return {n: summarise(per[n], slo_ms) for n in names}
 
 

@@ -882,7 +882,9 @@ def tuning_blocks(inputs: ReportInputs) -> list[Block]:
     setups = refs.get("setups") or {}
     if setups:
         b.append(Heading("Against the hand-tuned reference and the naive baseline (serve check)", 3))
-        b.append(Para(f"Medians of {refs.get('rounds')} interleaved rounds, same host, same load. Hand-tuned: "
+        b.append(Para(f"Medians of up to {refs.get('rounds')} interleaved rounds, same host, same load (a reference is "
+                      f"served again only while a comparison with it is within {_fmt(100 * (refs.get('decided_band') or 0))}% "
+                      f"of parity). Hand-tuned: "
                       f"{(refs.get('handtuned_setup') or {}).get('what') or (refs.get('handtuned_setup') or {}).get('reason')}."))
         b.append(Table(["setup", "READY (s)", "req/s", "p50 (ms)", "p99 (ms)", "p99 ≤ SLO", "rounds (req/s)"],
                        [[n, s_.get("ready_s"), s_.get("throughput_rps"), s_.get("p50_ms"), s_.get("p99_ms"),

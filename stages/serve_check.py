@@ -118,8 +118,10 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dic
         specs["baseline"], first["baseline"] = baseline, record["baseline_detail"]
     setups = interleaved_rounds(specs, cases, task=params.model.task, rounds=sc.rounds, requests=sc.requests,
                                 concurrency=sc.concurrency, time_cap_s=sc.time_cap_s,
-                                slo_ms=params.serve.latency_slo_ms, first_round=first)
-    out = {"rounds": sc.rounds, "concurrency": sc.concurrency, "latency_slo_ms": params.serve.latency_slo_ms,
+                                slo_ms=params.serve.latency_slo_ms, first_round=first,
+                                decided_band=sc.decided_band)
+    out = {"rounds": sc.rounds, "decided_band": sc.decided_band,
+           "rounds_served": {n: len(s_["rounds"]) for n, s_ in setups.items()}, "concurrency": sc.concurrency, "latency_slo_ms": params.serve.latency_slo_ms,
            "handtuned_setup": handtuned,
            "setups": setups,
            "ratios_handtuned": ratios(setups["winner"], setups["handtuned"]) if "handtuned" in setups else None,

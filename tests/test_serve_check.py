@@ -175,7 +175,7 @@ def test_stage_end_to_end_winner_vs_baseline(tmp_path, monkeypatch):
     params.write_text(json.dumps({
         "model": {"name": "double", "source": "state_dict", "checkpoint": "unused.pt",
                   "factory": "unused.py:build", "task": "tensor", "input_shape": [3]},
-        "serve_check": {"requests": 40, "concurrency": 4, "time_cap_s": 60, "rounds": 2}}))
+        "serve_check": {"requests": 40, "concurrency": 4, "time_cap_s": 60, "rounds": 2, "decided_band": 0}}))
     out = tmp_path / "metrics" / "serve_check.json"
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))
     for name, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("BASELINE_DIR", baseline),
@@ -290,3 +290,27 @@ def serve_check_inputs(tmp_path, monkeypatch, name: str, store, serve, golden, d
                         ("SERVE_CHECK_JSON", out)):
         monkeypatch.setattr(stage, attr, value)
     return out
+
+
+def _served(ready_s, rps, p99_ms):
+    return {"ready": True, "ready_s": ready_s, "load": {"requests_ok": 40, "throughput_rps": rps, "p99_ms": p99_ms,
+                                                       "p50_ms": p99_ms / 2}}
+
+
+def test_a_reference_is_served_again_only_while_its_comparison_is_undecided():
+    """bert-large's run: the naive baseline at 1/22 the throughput and 2.2x the READY, the hand-tuned
+    at 1/2.6 and 2.7x: both decided after round 1, so no second round is served (no server is even
+    started here); READY within 25% of parity keeps a reference in the next round."""
+    from pipeline.reference_rounds import interleaved_rounds, undecided
+    first = {"winner": _served(3.9, 42.0, 390.0), "handtuned": _served(10.5, 16.8, 1706.0),
+             "baseline": _served(8.8, 1.9, 9260.0)}
+    setups = interleaved_rounds({name: None for name in first}, [], task="text-embedding", rounds=2, requests=320,
+                                concurrency=16, time_cap_s=30, slo_ms=200, first_round=first, decided_band=0.25)
+    assert {n: len(s["rounds"]) for n, s in setups.items()} == {"winner": 1, "handtuned": 1, "baseline": 1}
+    per = {"winner": [dict(_served(2.9, 300.0, 80.0), ok=True)],
+           "handtuned": [dict(_served(3.1, 200.0, 120.0), ok=True)],     # READY 0.94x: undecided
+           "baseline": [dict(_served(6.0, 30.0, 900.0), ok=True)]}
+    per = {n: [{"ok": True, "ready_s": r["ready_s"], "throughput_rps": r["load"]["throughput_rps"],
+                "p99_ms": r["load"]["p99_ms"]} for r in rs] for n, rs in per.items()}
+    assert undecided(per, 0.25) == ["handtuned"]
+    assert undecided(per, 0.0) == ["handtuned", "baseline"]
