@@ -135,8 +135,8 @@ class BenchmarkParams:
     # the calls inside one do, so for the same measuring time more rounds give a steadier figure.
     steady_runs: int = 5
     # Per variant: no fresh process starts once it would pass this many seconds (after 2 rounds and
-    # 2 cold loads; 0: no limit). A 90 MB model fits all of them; a 1.3 GB one would spend 3 min.
-    budget_s: float = 60.0
+    # 2 cold loads; 0: no limit). A 90 MB model fits 3-5 rounds; a 1.3 GB one would spend 3 min.
+    budget_s: float = 40.0
     # ...and no further steady round once every size's round p50s agree within this (0: never stop
     # early): another round would move the figures less than the tie band selection applies anyway.
     rounds_agree_within: float = 0.03

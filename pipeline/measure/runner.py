@@ -89,7 +89,7 @@ class BenchmarkSettings:
     threads: int = 0                 # 0 → what one serving worker gets (see device.serving_threads)
     cold_runs: int = 5
     steady_runs: int = 5
-    budget_s: float = 60.0           # per variant: see ProcessBudget
+    budget_s: float = 40.0           # per variant: see ProcessBudget
     rounds_agree_within: float = 0.03  # stop adding rounds once every size's round p50s agree this closely
     interleave_passes: int = 4
     warmup_iters: int = 5
