@@ -5,8 +5,8 @@ refuses another one with a clear error.
 On CPU the variant ships the compiled library itself (`aoti.so`, weights inside), unpacked from
 the .pt2 package at build time. `aoti_load_package` extracts the whole package to a temporary
 folder at every load, checksumming it on the way: bert-large's 1.34 GB took 6.4 s a load on a
-quiet host and 22 s in the benchmark's fresh processes, against 1.2 s to open the library where it
-lies. A CUDA build keeps the package (its kernels are separate files the loader places)."""
+quiet host and 22 s in the benchmark's fresh processes, against 1.2–3.8 s to open the library
+where it lies. A CUDA build keeps the package (its kernels are separate files the loader places)."""
 from __future__ import annotations
 
 import shutil
