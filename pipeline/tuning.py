@@ -647,11 +647,14 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
         d1, extra1 = settle(phase1, decider(phase1), more(phase1, False), rounds_done=s.rounds,
                             max_rounds=s.max_rounds)
         final, phase2, d2, extra2 = phase1[d1["chosen"]], [], None, 0
-        frontend_why = "tune.frontend is false"
-        if s.frontend and final.served:
+        if not s.frontend:
+            worth, frontend_why = False, "tune.frontend is false"
+        elif not final.served:
+            worth, frontend_why = False, "the chosen point was not served"
+        else:
             worth, frontend_why = frontend_worth_tuning(final)
-            log.info("frontend settings: %s", frontend_why)
-        if s.frontend and final.served and worth:
+        log.info("frontend settings: %s", frontend_why)
+        if worth:
             phase2 = tuner.run_rounds(frontend_candidates(final.candidate), s.rounds, fresh=True)
             d2, extra2 = settle(phase2, decider(phase2), more(phase2, True), rounds_done=s.rounds,
                                 max_rounds=s.max_rounds)
