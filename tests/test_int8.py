@@ -546,3 +546,39 @@ def test_per_channel_weight_cache_reproduces_ort_and_is_reused(outlier_models, t
     assert cached == plain
     from onnxruntime.quantization.base_quantizer import BaseQuantizer
     assert BaseQuantizer.quantize_weight_per_channel_impl.__name__ == "quantize_weight_per_channel_impl"
+
+
+def test_needed_share_from_the_missed_figures():
+    """A miss (1 - figure) must shrink to the margined gate's: recall 0.90 against 0.9625 → 62.5% of
+    the error removed; figures that pass, or have no 'at least' form (max_abs), ask nothing."""
+    from pipeline.variants.sensitivity import needed_share, with_margin
+    margined = with_margin(Tolerance(atol=0.05, rtol=0.1, min_cosine=0.995, gate="task"))
+    figures = {"embedding": {"min_cosine": 0.9977, "mean_cosine": 0.998, "k": 10, "recall_at_k": 0.90}}
+    assert needed_share(figures, margined) == pytest.approx(1 - 0.0375 / 0.10)
+    assert needed_share({"y": {"max_abs": 3.0, "min_cosine": 0.9999}}, margined) is None
+
+
+def test_the_search_stops_where_the_budget_cannot_reach_the_error():
+    """bert-large static int8: the error spread evenly over the ops and ~25 s an attempt, so the budget
+    could keep only a few ops fp32 — a sliver of the error the gate needed gone. The search stops
+    after the ranking, says why, and returns the whole-model quantization for the golden gate to judge."""
+    import time
+
+    from pipeline.variants.sensitivity import Calibration, search
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    cal = Calibration([{"x": x}], [[x]], ["y"], "tensor")
+    ops = [f"op{i}" for i in range(40)]
+
+    def run(kept, on):
+        time.sleep(0.1)
+        return [[x + (0.0 if kept >= 30 else 1.0)]]
+
+    tol = Tolerance(atol=0.05, rtol=0.1, min_cosine=0.995)
+    _, record = search(ops, lambda exclude, only: len(exclude), run, cal, tol, 0.99, budget_s=0.35,
+                       max_fp32_share=1.0, op_errors=lambda candidates, deadline: {op: 1.0 for op in candidates})
+    assert record["stopped_by"] == "out of reach" and record["fp32_ops"] == []
+    assert len(record["attempts"]) == 1
+    reach = record["reach"]
+    assert reach["out_of_reach"] and reach["keepable_ops"] <= 4 and reach["error_share_keepable"] <= 0.1
+    assert "out of reach" in reach["why"]

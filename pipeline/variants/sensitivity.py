@@ -26,6 +26,15 @@ propagates. It replaces the per-op ranking where that would not fit in RANKING_S
 (estimated from the whole-model attempt's run time): bert-large has 144 ops at ~0.75 s a forward, so
 the per-op ranking reached 53 of them in the whole budget and the rest kept graph order.
 
+Out of reach: before each 1, 2, 4, ... attempt the search asks whether the largest set of ops the
+budget still allows to keep fp32 could remove the error the gate needs gone (`_reach`): the
+whole-model attempt's missed figures say how much (a figure's miss, 1 - cosine or 1 - recall, taken
+as proportional to the output error's variance: exact for cosine, optimistic for recall, whose miss
+shrinks more slowly), the ranking says how much of it those ops carry. Where they carry less than
+half of it (REACH_SLACK), the search stops there: bert-large's static int8 missed recall by 2.7×
+with its error spread evenly over 144 ops; the budget allowed ~4 more attempts (keeping ≤ 8 ops,
+~6% of the error) and spent 100 s on them before the same rejection.
+
 `state` (a dict the converter keeps across its build methods) caches the ranking per candidate set
 and the time already spent, so a second build method neither re-ranks nor gets a second budget.
 
@@ -56,6 +65,7 @@ TOP_RECORDED = 12                         # sensitivities kept in the record (mo
 RANKING_BATCHES = 2                       # calibration batches the ranking looks at (judging uses all)
 MARGIN = 0.25                             # share of the way from a threshold to 1 a calibration pass must reach
 RANKING_SHARE = 0.25                      # the per-op ranking may take this share of the budget, else local errors
+REACH_SLACK = 2.0                         # give up only when the reachable ops carry < 1/2 of the error to remove
 
 
 @dataclass
@@ -184,13 +194,13 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
         t_rank = time.perf_counter()
         cached = state.setdefault("rankings", {}).get(tuple(candidates))
         if cached:
-            (ranked, measured, how), reused = cached, True
+            (ranked, measured, how, variance_like), reused = cached, True
         else:
             # One ranking forward ≈ the whole-model attempt's run over RANKING_BATCHES of its batches.
             forward_s = run_s[0] * min(RANKING_BATCHES, len(cal.feeds)) / max(1, len(cal.feeds))
-            ranked, measured, how = _rank(candidates, quantize, run, cal, t0, budget_s, op_errors,
-                                          local_errors, forward_s)
-            state["rankings"][tuple(candidates)], reused = (ranked, measured, how), False
+            ranked, measured, how, variance_like = _rank(candidates, quantize, run, cal, t0, budget_s, op_errors,
+                                                         local_errors, forward_s)
+            state["rankings"][tuple(candidates)], reused = (ranked, measured, how, variance_like), False
         record["sensitivity"] = {"measured": len(measured), "of": len(candidates), "by": how,
                                  "reused_from_an_earlier_build_method": reused,
                                  "ranking_s": round(time.perf_counter() - t_rank, 2),
@@ -199,7 +209,17 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
         max_keep = max(1, math.floor(max_fp32_share * len(candidates)))
         fail_n, pass_n, handles = 0, None, {}
         n = 1
+        needed = needed_share(record["whole_model"]["figures"], margined)
+        out_of_reach = False
         while not spent():
+            reach = _reach(measured, variance_like, needed, n, max_keep,
+                           budget_s - (time.perf_counter() - t0), sum(attempt_times) / len(attempt_times))
+            if reach is not None:
+                record["reach"] = reach
+                if reach["out_of_reach"]:
+                    out_of_reach = True
+                    log.info("int8: %s", reach["why"])
+                    break
             handles[n], v = attempt(ranked[:n])
             if v.passed:
                 pass_n = n
@@ -218,7 +238,7 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
         n_final = pass_n if pass_n is not None else max(handles, default=0)
         if n_final:
             chosen, kept = handles[n_final], ranked[:n_final]
-        record["stopped_by"] = ("gate passed" if pass_n is not None else
+        record["stopped_by"] = ("gate passed" if pass_n is not None else "out of reach" if out_of_reach else
                                 "budget" if spent() else "max_fp32_share")
     record["fp32_ops"] = kept
     record["passed_on_calibration"] = any(a["passed"] and a["fp32_ops"] == len(kept) for a in record["attempts"])
@@ -227,8 +247,51 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
     return chosen, record
 
 
+def needed_share(figures: dict, margined: Tolerance) -> Optional[float]:
+    """The share of the quantization error an attempt must remove for these (missed) figures to pass
+    `margined`: each missed "at least" figure's miss (1 - figure) must shrink to the gate's (1 -
+    threshold), a miss taken as proportional to the error's variance. None when nothing known missed
+    (e.g. only max_abs: no such figure), so no projection is made."""
+    limits = {"min_cosine": margined.min_cosine, "recall_at_k": margined.min_recall_at_k,
+              "top1_agreement": margined.min_top1_agreement, "topk_overlap": margined.min_topk_overlap}
+    needed = None
+    for output in figures.values():
+        for key, limit in limits.items():
+            got = output.get(key)
+            if got is None or limit is None or got >= limit:
+                continue
+            share = 1.0 - (1.0 - limit) / max(1.0 - got, 1e-12)
+            needed = share if needed is None else max(needed, share)
+    return needed
+
+
+def _reach(measured: list[tuple[str, float]], variance_like: bool, needed: Optional[float], n: int,
+           max_keep: int, left_s: float, attempt_s: float) -> Optional[dict]:
+    """Whether the most ops the doubling can still keep fp32 in `left_s` (n, 2n, ... ≤ max_keep, one
+    attempt each) carry enough of the ranked error to remove `needed` of it. Unmeasured ops count as
+    error-free (the optimistic side). None when no projection can be made."""
+    if needed is None or not measured or attempt_s <= 0:
+        return None
+    weights = [max(e, 0.0) if variance_like else max(e, 0.0) ** 2 for _, e in measured]
+    total = sum(weights)
+    if not math.isfinite(total) or total <= 0:
+        return None
+    attempts = int(left_s // attempt_s)
+    keep = 0 if attempts < 1 else min(n * 2 ** (attempts - 1), max_keep)
+    share = sum(weights[:keep]) / total
+    out = share < needed / REACH_SLACK
+    why = (f"the budget's {attempts} more attempt(s) of ~{attempt_s:.2g} s can keep at most {keep} op(s) fp32, "
+           f"carrying {share:.1%} of the ranked error; the gate needs {needed:.1%} of it removed"
+           + (f" (less than 1/{REACH_SLACK:g} of that: out of reach, no further attempt)" if out else ""))
+    return {"attempts_left": attempts, "attempt_s": round(attempt_s, 2), "keepable_ops": keep,
+            "error_share_keepable": round(share, 4), "error_share_needed": round(needed, 4),
+            "out_of_reach": out, "why": why}
+
+
 def _rank(candidates, quantize, run, cal, t0, budget_s, op_errors, local_errors=None, forward_s=0.0):
-    """→ (ops most sensitive first, [(op, error)] measured, how)."""
+    """→ (ops most sensitive first, [(op, error)] measured, how, variance_like): variance_like when the
+    errors are the model's output error (1 - cosine, which adds up like variance), not an op's own
+    relative RMS error (whose square does)."""
     per_op_s = len(candidates) * forward_s
     if local_errors is not None and (op_errors is None or per_op_s > RANKING_SHARE * budget_s):
         errors = local_errors(candidates)
@@ -239,7 +302,7 @@ def _rank(candidates, quantize, run, cal, t0, budget_s, op_errors, local_errors=
         return ([op for op, _ in measured] + [op for op in candidates if op not in seen], measured,
                 f"each op's own output error (its fp32 input fake-quantized u8, its weight s8, against its fp32 "
                 f"output), all ops from one forward over {min(RANKING_BATCHES, len(cal.feeds))} calibration "
-                f"batch(es) ({why})")
+                f"batch(es) ({why})", False)
     if op_errors is not None:
         # The ranking spends the same budget: on a big model one forward per op can cost more than
         # the whole budget (bert-large: 144 ops, 218 s); ops not reached follow in graph order.
@@ -248,10 +311,10 @@ def _rank(candidates, quantize, run, cal, t0, budget_s, op_errors, local_errors=
         seen = set(errors)
         return ([op for op, _ in measured] + [op for op in candidates if op not in seen], measured,
                 f"the model's output error with only that op fake-quantized (u8 input per call, s8 weight), over "
-                f"{min(RANKING_BATCHES, len(cal.feeds))} calibration batch(es)")
+                f"{min(RANKING_BATCHES, len(cal.feeds))} calibration batch(es)", True)
     ranked, measured = _sensitivities(candidates, quantize, run, cal, t0, budget_s)
     return ranked, measured, (f"the full model with only that op quantized, over "
-                              f"{min(RANKING_BATCHES, len(cal.feeds))} calibration batch(es)")
+                              f"{min(RANKING_BATCHES, len(cal.feeds))} calibration batch(es)"), True
 
 
 def _sensitivities(candidates, quantize, run, cal, t0, budget_s) -> tuple[list[str], list[tuple[str, float]]]:
