@@ -158,6 +158,32 @@ def test_tiny_mlp_converts_and_verifies(variant, make_params, tmp_path):
             {"fp16": "float16", "bf16": "bfloat16"}[variant]
 
 
+def test_the_onnx_export_is_shared_by_the_onnx_variants_of_one_model(make_params, tmp_path, monkeypatch):
+    """bert-large exported the same fp32 graph four times (20 s each): the first ONNX variant keeps it,
+    the next reuse it. fp16 goes first here: it rewrites its copy in place, and the kept export must
+    still be the fp32 graph the `onnx` variant then verifies. Another weight is another model."""
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "cache"))
+    params = make_params({"name": "m", "source": "state_dict", "checkpoint": "x.pt", "factory": "x.py:b",
+                          "task": "tensor", "input_shape": [8]})
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    loaded, golden = tensor_case(module, 8)
+    exports = {}
+    for variant in ("onnx-fp16", "onnx"):
+        record = convert(variant, params, loaded, golden, tmp_path / variant)
+        assert_converted(record, tmp_path / variant, golden)
+        exports[variant] = json.loads((tmp_path / variant / "variant.json").read_text())["export"]
+    assert exports["onnx-fp16"]["reused"] is False and exports["onnx"]["reused"] is True
+    assert exports["onnx"]["key"] == exports["onnx-fp16"]["key"]
+    with torch.no_grad():
+        module[0].weight[0, 0] += 1.0
+    loaded, golden = tensor_case(module, 8)
+    record = convert("onnx", params, loaded, golden, tmp_path / "changed")
+    assert_converted(record, tmp_path / "changed", golden)
+    changed = json.loads((tmp_path / "changed" / "variant.json").read_text())["export"]
+    assert changed["reused"] is False and changed["key"] != exports["onnx"]["key"]
+
+
 @pytest.mark.parametrize("model_cls", [BakesBatchSize, BranchesOnBatchSize])
 def test_trace_that_only_works_at_its_batch_size_is_rejected(model_cls, make_params, tmp_path):
     params = make_params({"name": "m", "source": "state_dict", "checkpoint": "x.pt", "factory": "x.py:b",

@@ -33,6 +33,7 @@ from handlers.runtime_onnx import check_providers_active, choose_providers
 from pipeline.params import Params
 from pipeline.plan import emulated_dtype_note
 from pipeline.variants.base import Artifact, BuildContext, Converter, register
+from pipeline.variants.export_cache import cached_export, export_key
 from pipeline.variants.prepack import PREPACKED_GRAPH, prepack
 from pipeline.weights import module_bytes
 
@@ -82,7 +83,11 @@ class OnnxConverter(Converter):
         raw = raw_dir / "raw.onnx"
         final = ctx.out_dir / ARTIFACT
         try:
-            self._export(ctx, raw, dynamo, external)
+            key = export_key(ctx.loaded.module, self._export_inputs(ctx),
+                             {"dynamo": dynamo, "external": external, "opset": self.options.opset, "device": ctx.device},
+                             [Path(__file__), Path(export_key.__code__.co_filename)])
+            export = cached_export(key, raw, lambda: self._export(ctx, raw, dynamo, external),
+                                   lambda: [p for p in (raw, data_file(raw)) if p.is_file()])
             self._transform(raw)
             external = self._optimize(ctx, raw, final)     # the artifact's own form (int8 decides by its size)
         finally:
@@ -94,12 +99,19 @@ class OnnxConverter(Converter):
         if external and not (ctx.out_dir / data).is_file():
             raise RuntimeError(f"ONNX Runtime did not write the external data file {data} beside {final.name}")
         extra = {"graph_optimized": True, "graph_optimization": self.options.graph_optimization,
-                 "opset": self.options.opset, "exporter": "dynamo" if dynamo else "legacy",
+                 "opset": self.options.opset, "exporter": "dynamo" if dynamo else "legacy", "export": export,
                  "external_data": [data] if external else []}
         if packed:
             extra["prepacked"] = packed
         return Artifact(ARTIFACT, "onnx", inputs, extra=extra,
                         data_files=([data] if external else []) + ([PREPACKED_GRAPH] if packed else []))
+
+    @staticmethod
+    def _export_inputs(ctx: BuildContext) -> dict:
+        """What of the inputs the exported graph depends on (the export cache's key)."""
+        return {"inputs": [(s.name, str(t.dtype), tuple(t.shape), sorted(s.dynamic_axes.items()))
+                           for s, t in zip(ctx.loaded.inputs, ctx.example_inputs())],
+                "outputs": list(ctx.loaded.outputs)}
 
     def _export(self, ctx: BuildContext, path: Path, dynamo: bool, external: bool) -> None:
         loaded = ctx.loaded

@@ -1,0 +1,134 @@
+"""The torch → ONNX export, done once per model and shared by the ONNX variants built from it.
+
+`onnx`, `onnx-fp16`, `onnx-int8-dynamic` and `onnx-int8-static` are four DVC stages, four processes,
+and each began with the same fp32 export: bert-large spent 20 s in the dynamo exporter four times
+(a quarter of the ONNX conversions' time). The first build keeps its exported files here; the next
+ones copy them (~2 s for 2.5 GB) instead of exporting again.
+
+The key is what the export is a function of, read from the module itself, so a stale entry cannot
+be hit: every state_dict tensor's name, dtype, shape and bytes (sha256, ~0.8 s a GB), the module
+tree (repr) and the configs of Hugging Face sub-modules, the source files of every module class in
+it, the input/output names, dtypes, example shapes and dynamic axes, the exporter and its options,
+this package's export code, and the torch / onnx / onnxscript / transformers versions.
+
+Where: $PIPELINE_CACHE_DIR/onnx-export (default ~/.cache/model-pipeline), outside the repository
+and outside DVC's outputs, like the inductor and Hugging Face caches. An entry is as big as the
+model, so only the newest MAX_ENTRIES are kept. Files are copied in and out, never linked: the ONNX
+steps after the export rewrite their input files in place (fp16 conversion), which must not reach
+the cached copy.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+log = logging.getLogger(__name__)
+
+MAX_ENTRIES = 2            # one model's dynamo and legacy exports
+CHUNK = 64 << 20
+
+
+def cache_root() -> Path:
+    base = os.environ.get("PIPELINE_CACHE_DIR") or str(Path.home() / ".cache" / "model-pipeline")
+    return Path(base) / "onnx-export"
+
+
+def export_key(module, inputs: dict, options: dict, code_files: Iterable[Path]) -> str:
+    """sha256 of everything the exported files depend on (see the module docstring). `inputs`: the
+    input/output names, dtypes, example shapes and dynamic axes; `options`: the exporter's."""
+    import torch
+    h = hashlib.sha256()
+
+    def add(text: str) -> None:
+        h.update(text.encode())
+        h.update(b"\0")
+
+    versions = {name: getattr(sys.modules.get(name), "__version__", None)
+                for name in ("torch", "onnx", "onnxscript", "transformers")}
+    add(repr(sorted(versions.items())))
+    add(repr(sorted(options.items())))
+    add(repr(inputs))
+    add(repr(module))
+    sources = set(Path(p) for p in code_files)
+    for m in module.modules():
+        config = getattr(m, "config", None)
+        if hasattr(config, "to_json_string"):
+            add(config.to_json_string())
+        try:
+            sources.add(Path(inspect.getsourcefile(type(m))))
+        except (TypeError, OSError):
+            pass                        # a class without a Python source (builtin)
+    for path in sorted(sources):
+        add(str(path.name))
+        h.update(path.read_bytes() if path.is_file() else b"")
+    with torch.no_grad():
+        for name, t in module.state_dict().items():
+            add(f"{name}:{t.dtype}:{tuple(t.shape)}")
+            flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            for i in range(0, flat.size, CHUNK):
+                h.update(memoryview(flat[i:i + CHUNK]))
+    return h.hexdigest()[:32]
+
+
+def restore(key: str, dest_dir: Path) -> Optional[list[str]]:
+    """Copy the entry's files into `dest_dir`; their names, or None on a miss."""
+    entry = cache_root() / key
+    if not entry.is_dir():
+        return None
+    names = sorted(p.name for p in entry.iterdir() if p.is_file())
+    if not names:
+        return None
+    try:
+        for name in names:
+            shutil.copyfile(entry / name, dest_dir / name)
+    except OSError as e:          # evicted by another build meanwhile, disk full: export instead
+        log.warning("ONNX export cache: could not copy %s (%s); exporting again", entry, e)
+        for name in names:
+            (dest_dir / name).unlink(missing_ok=True)
+        return None
+    os.utime(entry)               # recently used: evicted last
+    return names
+
+
+def store(key: str, files: list[Path]) -> None:
+    """Keep copies of `files` under `key` (written aside, then renamed: a reader never sees half an
+    entry), then drop the oldest entries beyond MAX_ENTRIES. Failure to cache never fails a build."""
+    root = cache_root()
+    entry = root / key
+    if entry.is_dir():
+        return
+    tmp = root / f".tmp-{uuid.uuid4().hex}"
+    try:
+        tmp.mkdir(parents=True)
+        for f in files:
+            shutil.copyfile(f, tmp / f.name)
+        tmp.rename(entry)
+    except OSError as e:
+        log.warning("ONNX export cache: could not keep the export (%s); the next ONNX variant exports again", e)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    entries = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".tmp-")),
+                     key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in entries[MAX_ENTRIES:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def cached_export(key: str, dest: Path, export: Callable[[], None], outputs: Callable[[], list[Path]]) -> dict:
+    """Restore the export `key` into `dest`'s folder, or run `export()` and keep `outputs()`.
+    → the record for variant.json: {"reused": bool, "seconds": float, "key": key}."""
+    t0 = time.perf_counter()
+    reused = restore(key, dest.parent) is not None and dest.is_file()
+    if not reused:
+        export()
+        store(key, outputs())
+    seconds = round(time.perf_counter() - t0, 2)
+    log.info("ONNX export %s in %.1f s (%s)", "reused" if reused else "done", seconds, cache_root() / key)
+    return {"reused": reused, "seconds": seconds, "key": key}
