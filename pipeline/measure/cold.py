@@ -48,7 +48,8 @@ def run_fresh_process(model_dir, loader: str = DEFAULT_LOADER, feeds: str = DEFA
                       timeout_s: float = 300.0, tensorrt: bool = False, steady: Optional[RoundSpec] = None,
                       python: str = sys.executable) -> FreshRun:
     """One fresh process: its cold start (`total` = spawn → first call done), then the steady round."""
-    cmd = [python, "-m", "pipeline.measure.child", "--model-dir", str(model_dir),
+    # -X faulthandler: a process killed by a signal (a native library's crash) leaves its Python stack.
+    cmd = [python, "-X", "faulthandler", "-m", "pipeline.measure.child", "--model-dir", str(model_dir),
            "--loader", loader, "--feeds", feeds, "--device", device]
     if threads:
         cmd += ["--threads", str(threads)]
