@@ -14,7 +14,8 @@ model whatever the number of shards.
 Keys are judged by what the task computes (`judge_missing`): a weight the checkpoint lacks is an
 error only when it feeds the task's outputs (found with autograd on one small forward: a parameter
 the outputs do not depend on gets no gradient); an unused one (BERT's pooler under a
-text-embedding head) is logged and stays at its initial value.
+text-embedding head) is logged and zeroed (random initial values would make every load, and
+so every artifact, different).
 """
 from __future__ import annotations
 
@@ -313,7 +314,13 @@ def judge_missing(report: KeyReport, task_module: nn.Module, example_args: tuple
         used = [k for k in report.missing if k not in unused]
         if used:
             raise CheckpointError(key_problem(report, used) + " Those weights would be random.")
-        log.info("%s lacks %d weight(s) that task %r never uses (kept at their initial values): %s",
+        # Zeroed, not left at their random initial values: every process then builds the same
+        # module, so the artifacts are reproducible and the shared ONNX export (keyed by the
+        # weights' bytes) is found by the next conversion.
+        with torch.no_grad():
+            for key in unused:
+                report.missing[key].zero_()
+        log.info("%s lacks %d weight(s) that task %r never uses (zeroed): %s",
                  report.source, len(unused), task, listing(sorted(unused), 10))
     if report.unexpected:
         log.info("ignoring %d checkpoint key(s) the model does not have: %s", len(report.unexpected),

@@ -116,6 +116,13 @@ def test_unused_missing_weights_are_logged_used_ones_refused(make_params, big_te
         without = load_model(text_params_for(make_params, folder))
     assert "never uses" in caplog.text and "pooler.dense.weight" in caplog.text
     assert torch.equal(embed(with_pooler), embed(without))      # CLS pooling never reads the pooler
+    # ...and they are zeroed, not random: another load builds the same module (reproducible
+    # artifacts; the shared ONNX export is keyed by the weights' bytes)
+    state = dict(without.module.named_parameters())
+    pooler = [k for k in state if k.endswith("pooler.dense.weight")]
+    assert pooler and not state[pooler[0]].any()
+    again = load_model(text_params_for(make_params, folder))
+    assert all(torch.equal(t, dict(again.module.named_parameters())[k]) for k, t in state.items())
 
     broken = tmp_path / "broken"
     shutil.copytree(folder, broken)
