@@ -321,6 +321,8 @@ class TorchServe:
             time.sleep(POLL_S)
 
     def _fail(self, message: str, reason: str, **details):
+        if reason == "worker_died":
+            self.log.wait_for_python_error()
         log_tail = self.log.log_tail()
         self.stop(check=False)
         raise ModelNotReady(f"{message} [server dir: {self.workdir}]", reason, log_tail, **details)

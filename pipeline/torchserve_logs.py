@@ -54,6 +54,21 @@ class ServerLogs:
         return (f"== {self.logs / 'model_log.log'} ==\n{tail(self.logs / 'model_log.log', n)}\n"
                 f"== {self.logs / 'ts_log.log'} (warnings/errors) ==\n" + "\n".join(warnings[-(n // 2):]))
 
+    def wait_for_python_error(self, timeout_s: float = 3.0) -> bool:
+        """Wait until the worker log holds a Python traceback, at most `timeout_s`. The frontend logs
+        a worker's death (ts_log.log) before its log appender has written the worker's last stderr
+        lines (model_log.log): read at once, the tail could end before the error it exists to show."""
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                if "Traceback (most recent call last)" in (self.logs / "model_log.log").read_text(errors="replace"):
+                    return True
+            except FileNotFoundError:
+                pass
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.1)
+
     def worker_load_ms(self) -> Optional[float]:
         """TorchServe's WorkerLoadTime for this model (max over its workers), from ts_metrics.log."""
         pat = re.compile(r"WorkerLoadTime\.Milliseconds:([0-9.]+)\|#WorkerName:W-\d+-(.+?)_[^_|,]*,")
