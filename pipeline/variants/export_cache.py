@@ -20,11 +20,11 @@ the cached copy.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import inspect
 import logging
 import os
 import shutil
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -51,13 +51,12 @@ def export_key(module, inputs: dict, options: dict, code_files: Iterable[Path]) 
         h.update(text.encode())
         h.update(b"\0")
 
-    versions = {name: getattr(sys.modules.get(name), "__version__", None)
-                for name in ("torch", "onnx", "onnxscript", "transformers")}
+    versions = {name: _version(name) for name in ("torch", "onnx", "onnxscript", "transformers")}
     add(repr(sorted(versions.items())))
     add(repr(sorted(options.items())))
     add(repr(inputs))
     add(repr(module))
-    sources = set(Path(p) for p in code_files)
+    sources = {Path(__file__), *(Path(p) for p in code_files)}     # this key's own code too
     for m in module.modules():
         config = getattr(m, "config", None)
         if hasattr(config, "to_json_string"):
@@ -76,6 +75,15 @@ def export_key(module, inputs: dict, options: dict, code_files: Iterable[Path]) 
             for i in range(0, flat.size, CHUNK):
                 h.update(memoryview(flat[i:i + CHUNK]))
     return h.hexdigest()[:32]
+
+
+def _version(package: str) -> Optional[str]:
+    """The installed version, whether or not this process has imported the package yet (the key
+    must not depend on import order)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def restore(key: str, dest_dir: Path) -> Optional[list[str]]:
