@@ -26,9 +26,13 @@ def ort_has_cuda() -> bool:
     return "CUDAExecutionProvider" in ort.get_available_providers()
 
 
-def needs_ort_cuda(variant: str) -> None:
-    if variant.startswith("onnx") and not ort_has_cuda():
-        pytest.skip("this onnxruntime has no CUDAExecutionProvider (the pinned onnxruntime-gpu has it)")
+NEEDS_ORT_CUDA = pytest.mark.skipif(not (USABLE and ort_has_cuda()),
+                                    reason="this onnxruntime has no CUDAExecutionProvider (the pinned onnxruntime-gpu has it)")
+
+
+def on_gpu(*names: str) -> list:
+    """`names` as parameters; the ONNX ones run only where ONNX Runtime has its CUDA provider."""
+    return [pytest.param(n, marks=NEEDS_ORT_CUDA) if n.startswith("onnx") else n for n in names]
 
 
 def test_the_probe_records_the_gpu():
@@ -40,7 +44,7 @@ def test_the_probe_records_the_gpu():
     assert gpu["name"] in (torch.cuda.get_device_name(0), torch.cuda.get_device_name(0).replace("NVIDIA ", ""))
 
 
-@pytest.mark.parametrize("variant", GPU_VARIANTS)
+@pytest.mark.parametrize("variant", on_gpu(*GPU_VARIANTS))
 def test_variant_converts_verifies_and_benchmarks_on_the_gpu(variant, text_params, tmp_path):
     from pipeline.checkpoint import load_model
     from pipeline.golden import write_golden
@@ -48,7 +52,6 @@ def test_variant_converts_verifies_and_benchmarks_on_the_gpu(variant, text_param
     from pipeline.variants.base import get_converter
     from pipeline.variants.build import build_variant
     from pipeline.verify import tolerance_for
-    needs_ort_cuda(variant)
     loaded = load_model(text_params)
     golden = write_golden(text_params, loaded, tmp_path / "golden")
     converter = get_converter(variant).from_params(text_params)
@@ -76,12 +79,11 @@ def test_int8_is_refused_on_the_gpu_with_its_reason():
         assert get_converter(variant).host_unsuitable({"device": "cuda"}) == GPU_INT8
 
 
-@pytest.mark.parametrize("fmt", ["torchscript", "eager", "onnx"])
+@pytest.mark.parametrize("fmt", on_gpu("torchscript", "eager", "onnx"))
 def test_handlers_serve_from_the_gpu_torchserve_assigns(fmt, tmp_path):
     from handlers.onnx_handler import OnnxHandler
     from handlers.torch_handler import TorchHandler
     from tests.test_handlers import MALFORMED, VALID, close_enough, make_context, make_variant, reference, serve_batch
-    needs_ort_cuda(fmt)
     folder, model = make_variant(tmp_path, "tensor", fmt)
     meta = json.loads((folder / "variant.json").read_text())
     (folder / "variant.json").write_text(json.dumps({**meta, "device": "cuda"}))   # built for the GPU

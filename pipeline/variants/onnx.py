@@ -85,7 +85,7 @@ class OnnxConverter(Converter):
         try:
             key = export_key(ctx.loaded.module, self._export_inputs(ctx),
                              {"dynamo": dynamo, "external": external, "opset": self.options.opset, "device": ctx.device},
-                             [Path(__file__), Path(export_key.__code__.co_filename)])
+                             [Path(__file__)])
             export = cached_export(key, raw, lambda: self._export(ctx, raw, dynamo, external),
                                    lambda: [p for p in (raw, data_file(raw)) if p.is_file()])
             self._transform(raw)

@@ -32,8 +32,8 @@ whole-model attempt's missed figures say how much (a figure's miss, 1 - cosine o
 as proportional to the output error's variance: exact for cosine, optimistic for recall, whose miss
 shrinks more slowly), the ranking says how much of it those ops carry. Where they carry less than
 half of it (REACH_SLACK), the search stops there: bert-large's static int8 missed recall by 2.7×
-with its error spread evenly over 144 ops; the budget allowed ~4 more attempts (keeping ≤ 8 ops,
-~6% of the error) and spent 100 s on them before the same rejection.
+with its error spread evenly over 144 ops; at ~25-45 s an attempt the budget could keep at most
+1-4 ops fp32 (≤ 3% of the error), and had spent 100 s on such attempts before the same rejection.
 
 `state` (a dict the converter keeps across its build methods) caches the ranking per candidate set
 and the time already spent, so a second build method neither re-ranks nor gets a second budget.
