@@ -128,6 +128,17 @@ def test_report_shows_stage_costs_and_start_up(tmp_path):
     assert summary_metrics(inputs)["pipeline_wall_s"] >= 0
 
 
+def test_load_against_the_read_from_page_cache_and_from_disk():
+    from pipeline.report import load_vs_read
+    cold = {"phases_ms": {"import": {"median": 100.0}, "read": {"median": 0.3}, "deserialize": {"median": 241.7},
+                          "to_device": {"median": 0.0}}, "raw_read_ms": 110.0, "load_floor_ratio": 2.2}
+    assert load_vs_read(cold) == "page cache: 242 ms vs 110 ms (2.2×)"
+    cold["from_disk"] = {"measured": True, "load_ms": 560.0, "raw_read_ms": 610.0, "load_floor_ratio": 0.92}
+    assert load_vs_read(cold).endswith("; from disk: 560 ms vs 610 ms (0.92×)")
+    cold["from_disk"] = {"measured": False, "reason": "tmpfs"}
+    assert load_vs_read(cold).endswith("; from disk: not measured (tmpfs)")
+
+
 # --------------------------------------------------------------------------- real TorchServe
 @pytest.mark.torchserve
 @needs_java

@@ -137,6 +137,17 @@ def test_cold_load_over_runs_with_raw_read_floor(tiny):
     assert c.phases["total"].max_s >= c.phases["total"].median_s
 
 
+def test_cold_load_from_disk_is_one_more_fresh_process(tiny):
+    files = artifact_files(tiny["dir"], json.loads((tiny["dir"] / "variant.json").read_text()))
+    runs = measure_fresh_processes(tiny["dir"], 1, files, tiny["loader"], tiny["feeds"], threads=1, from_disk=True)
+    assert runs.cold.runs == 1
+    d = runs.disk.as_dict()
+    assert d["measured"], d
+    assert d["resident_after_drop"] <= 0.05 and d["raw_read_ms"] > 0
+    assert d["load_ms"] > 0 and d["total_ms"] > d["load_ms"] and set(d["phases_ms"]) >= {"import", "first_call"}
+    assert measure_fresh_processes(tiny["dir"], 1, files, tiny["loader"], tiny["feeds"], threads=1).disk is None
+
+
 def test_cold_load_failure_names_the_cause(tiny):
     with pytest.raises(BenchmarkChildError, match="corrupt artifact"):
         run_fresh_process(tiny["dir"], tiny["broken"], tiny["feeds"])

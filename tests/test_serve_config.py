@@ -151,6 +151,18 @@ def test_startup_timeout_from_cold_load_and_slow_target_disk():
     assert small["startup_timeout_s"].value == 30                # the floor
 
 
+def test_startup_timeout_covers_the_cold_load_from_disk():
+    b = bench(MONOTONIC, cold=(9000.0, 12000.0), artifact_bytes=2_000_000_000, raw_read_ms=1000.0)
+    b["cold_load"]["from_disk"] = {"measured": True, "total_ms": 20000.0, "raw_read_ms": 4000.0}
+    d = derive(b)["startup_timeout_s"]
+    # (20 s from disk + 1.3 s import + 0.03 s warm-up) × 3 + 10 = 73.99 → 74
+    assert d.value == 74
+    assert d.inputs["worst_cold_load_ms"] == 20000.0 and d.inputs["cold_load_from_disk_ms"] == 20000.0
+    assert d.inputs["measured_read_mb_s"] == 500.0          # this host's disk: 2000 MB in 4 s
+    b["cold_load"]["from_disk"] = {"measured": False, "reason": "tmpfs"}
+    assert derive(b)["startup_timeout_s"].value == 50       # not measured: the page-cache figures alone
+
+
 def test_response_timeout_integer_seconds_with_floor():
     d = derive(bench({1: (900.0, 1.1)}), latency_slo_ms=2000.0)
     # ceil((900 × 5 + 1) / 1000) = 5 → floor 5; with safety 10: ceil(9.001) = 10

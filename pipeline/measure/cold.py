@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from pipeline.measure import pagecache
 from pipeline.measure.child import MARKER
-from pipeline.measure.stats import ColdLoadSummary
+from pipeline.measure.stats import ColdLoadSummary, DiskLoad
 from pipeline.measure.steady import RoundSpec
 from pipeline.params import REPO_ROOT
 
@@ -117,10 +118,33 @@ def raw_read_seconds(files: Sequence[Path], repeats: int = 3, chunk: int = 16 * 
     return statistics.median(times)
 
 
+# Share of an artifact's bytes that may stay cached after dropping them for a disk-load run to
+# still count as one (a few pages another process holds mapped do not make it a memory read).
+MAX_RESIDENT_FOR_DISK = 0.05
+
+
+def measure_from_disk(artifact_paths: Sequence[Path], start: Callable[[], FreshRun]) -> DiskLoad:
+    """Drop the artifact's bytes from the page cache, then `start()` one fresh process (its cold
+    start reads from the disk); then drop them again and time a plain read of them from the disk."""
+    size = sum(p.stat().st_size for p in artifact_paths)
+    why = pagecache.supported()
+    if why:
+        return DiskLoad.unavailable(why, size)
+    left = pagecache.evict(artifact_paths)
+    if left > MAX_RESIDENT_FOR_DISK:
+        return DiskLoad.unavailable(f"{100 * left:.0f}% of the artifact stayed in memory after dropping it "
+                                    f"(a filesystem held in memory, e.g. tmpfs, or another process maps it)",
+                                    size, left)
+    run = start()
+    pagecache.evict(artifact_paths)
+    return DiskLoad(run.phases, raw_read_seconds(artifact_paths, repeats=1), size, left)
+
+
 @dataclass(frozen=True)
 class FreshRuns:
     cold: ColdLoadSummary
     rounds: list[dict]                  # steady-state rounds, in the order they ran
+    disk: Optional[DiskLoad] = None     # the cold start from disk, when asked
 
 
 def measure_fresh_processes(model_dir, runs: int, artifact_paths: Sequence[Path], loader: str = DEFAULT_LOADER,
@@ -128,10 +152,12 @@ def measure_fresh_processes(model_dir, runs: int, artifact_paths: Sequence[Path]
                             seq_len: Optional[int] = None, timeout_s: float = 300.0, tensorrt: bool = False,
                             round_for: Optional[Callable[[int, list], Optional[RoundSpec]]] = None,
                             steady_timeout_s: float = 0.0, on_run=None,
-                            stop_before: Optional[Callable[[int, Optional[RoundSpec]], bool]] = None) -> FreshRuns:
+                            stop_before: Optional[Callable[[int, Optional[RoundSpec]], bool]] = None,
+                            from_disk: bool = False) -> FreshRuns:
     """Up to `runs` fresh processes, each a cold start; `round_for(i, rounds_so_far)` names the
     steady-state round process i continues with (None: cold start only), so a later round can
-    depend on what the first one found; `stop_before(i, spec)` true ends the series there."""
+    depend on what the first one found; `stop_before(i, spec)` true ends the series there.
+    `from_disk`: one more cold start after them, with the artifact dropped from the page cache."""
     if runs < 1:
         raise ValueError(f"benchmark.cold_runs must be >= 1, got {runs}")
     samples, rounds = [], []
@@ -147,4 +173,9 @@ def measure_fresh_processes(model_dir, runs: int, artifact_paths: Sequence[Path]
         if on_run:
             on_run(i)
     raw = raw_read_seconds(artifact_paths, repeats=runs)
-    return FreshRuns(ColdLoadSummary.from_runs(samples, raw, sum(p.stat().st_size for p in artifact_paths)), rounds)
+    disk = None
+    if from_disk:
+        disk = measure_from_disk(artifact_paths, lambda: run_fresh_process(
+            model_dir, loader, feeds, device, threads, seq_len, timeout_s, tensorrt))
+    cold = ColdLoadSummary.from_runs(samples, raw, sum(p.stat().st_size for p in artifact_paths))
+    return FreshRuns(cold, rounds, disk)

@@ -103,6 +103,7 @@ class BenchmarkSettings:
     latency_cap_ms: float = 1000.0
     text_length: int = 24
     tensorrt: bool = False           # ONNX on CUDA: ask the loader for the TensorRT EP first
+    from_disk: bool = True           # one more cold start with the artifact dropped from the page cache
     cold_timeout_s: float = 300.0
 
     @classmethod
@@ -217,10 +218,12 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
         runs = measure_fresh_processes(model_dir, processes, files, loader, feeds, device, threads, seq_len,
                                        settings.cold_timeout_s, settings.tensorrt, round_for=round_for,
                                        steady_timeout_s=STEADY_ROUND_TIMEOUT_S, on_run=on_run,
-                                       stop_before=budget.stop_before)
+                                       stop_before=budget.stop_before, from_disk=settings.from_disk)
     finally:
         bar.close()
     log.info("%s: %s", variant, runs.cold.render())
+    if runs.disk is not None:
+        log.info("%s: %s", variant, runs.disk.render())
     if budget.cut:
         why = (f"the rounds agree within benchmark.rounds_agree_within {settings.rounds_agree_within:g}"
                if budget.settled else f"within benchmark.budget_s {settings.budget_s:g} s")
@@ -238,8 +241,11 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
         log.info("%s: sweep stopped after batch %s: %s", variant, stopped_early["after_batch"], stopped_early["why"])
 
     record = outcome_record(variant, "ok", None, device, threads, runs.cold.artifact_bytes)
+    cold = runs.cold.as_dict()
+    if runs.disk is not None:
+        cold["from_disk"] = runs.disk.as_dict()
     record.update({
-        "cold_load": runs.cold.as_dict(),
+        "cold_load": cold,
         "steady": steady,
         "stopped_early": stopped_early,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs.rounds),

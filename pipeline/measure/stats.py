@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
@@ -148,6 +148,8 @@ class PhaseSummary:
 # first call. `total` is the child's wall time from spawn to its first answer; `phases_sum` what the
 # phases account for (the gap is loader overhead no phase names, reported as `other` when known).
 LOAD_PHASES = ("interpreter", "import", "read", "deserialize", "to_device", "adapter", "first_call")
+# The load after imports: read the artifact's bytes, turn them into a runnable model, move it.
+LOAD_AFTER_IMPORTS = ("read", "deserialize", "to_device")
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ class ColdLoadSummary:
     @property
     def load_s(self) -> float:
         """Median time spent getting the artifact's bytes into a runnable model."""
-        return sum(self.phases[p].median_s for p in ("read", "deserialize", "to_device"))
+        return sum(self.phases[p].median_s for p in LOAD_AFTER_IMPORTS)
 
     def floor_ratios(self) -> dict[str, float | None]:
         if self.raw_read_s <= 0:
@@ -196,3 +198,51 @@ class ColdLoadSummary:
         parts = [f"{n} {p.median_s * 1e3:.1f} ms (max {p.max_s * 1e3:.1f})" for n, p in self.phases.items()]
         return (f"cold load over {self.runs} fresh processes: " + "; ".join(parts)
                 + f"; raw read {self.raw_read_s * 1e3:.2f} ms, load/floor {self.floor_ratios()['load']}")
+
+
+@dataclass(frozen=True)
+class DiskLoad:
+    """One cold start with the artifact's bytes dropped from the page cache first: what a worker
+    pays on a host that has not read the model yet (a fresh deployment, a rebooted node), against
+    the same bytes read from the disk. The page-cache figures (ColdLoadSummary) price a load's CPU
+    work against a memory copy; this one prices it against the disk it is deployed from.
+    `reason` is set (and the figures empty) when the bytes could not be dropped here."""
+    phases: dict[str, float]            # phase → seconds (with `total`), as a FreshRun's
+    raw_read_s: Optional[float]         # the same bytes read straight after dropping them
+    artifact_bytes: int
+    resident_share: Optional[float]     # share of the bytes still cached after dropping them (≈ 0)
+    reason: Optional[str] = None
+
+    @classmethod
+    def unavailable(cls, reason: str, artifact_bytes: int,
+                    resident_share: Optional[float] = None) -> "DiskLoad":
+        return cls({}, None, artifact_bytes, resident_share, reason)
+
+    @property
+    def load_s(self) -> float:
+        return sum(self.phases.get(p, 0.0) for p in LOAD_AFTER_IMPORTS)
+
+    @property
+    def load_ratio(self) -> Optional[float]:
+        return _r(self.load_s / self.raw_read_s, 2) if self.raw_read_s and not self.reason else None
+
+    def as_dict(self) -> dict:
+        if self.reason:
+            return {"measured": False, "reason": self.reason, "resident_after_drop": _r(self.resident_share)}
+        mb_s = self.artifact_bytes / 2**20 / self.raw_read_s if self.raw_read_s else None
+        return {"measured": True,
+                "phases_ms": {n: _r(v * 1e3) for n, v in self.phases.items()},
+                "load_ms": _r(self.load_s * 1e3),
+                "total_ms": _r(self.phases.get("total", 0.0) * 1e3),
+                "raw_read_ms": _r(self.raw_read_s * 1e3 if self.raw_read_s else None),
+                "raw_read_mb_s": _r(mb_s, 1),
+                # (read + deserialize + to_device) / the disk read of the same bytes
+                "load_floor_ratio": self.load_ratio,
+                "resident_after_drop": _r(self.resident_share)}
+
+    def render(self) -> str:
+        if self.reason:
+            return f"cold load from disk not measured: {self.reason}"
+        return (f"cold load from disk (page cache dropped, {100 * (self.resident_share or 0):.0f}% left): "
+                f"load {self.load_s * 1e3:.1f} ms, total {self.phases.get('total', 0.0) * 1e3:.1f} ms; disk read "
+                f"{(self.raw_read_s or 0) * 1e3:.1f} ms, load/floor {self.load_ratio}")

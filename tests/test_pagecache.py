@@ -1,0 +1,58 @@
+"""Dropping a file from the page cache and telling how much of it is cached, on real files: the
+benchmark's cold start from disk depends on both."""
+import mmap
+import os
+
+from pipeline.measure import pagecache
+from pipeline.measure.cold import MAX_RESIDENT_FOR_DISK, FreshRun, measure_from_disk
+
+
+def _written(path, mb=4):
+    path.write_bytes(os.urandom(mb * 2**20))
+    return path
+
+
+def test_evict_drops_a_read_file_and_a_read_brings_it_back(tmp_path):
+    assert pagecache.supported() is None
+    f = _written(tmp_path / "weights.bin")
+    f.read_bytes()
+    assert pagecache.resident_share([f]) > 0.95
+    assert pagecache.evict([f]) <= MAX_RESIDENT_FOR_DISK        # written pages are flushed first, then dropped
+    assert pagecache.resident_share([f]) <= MAX_RESIDENT_FOR_DISK
+    f.read_bytes()
+    assert pagecache.resident_share([f]) > 0.95
+
+
+def test_empty_file_has_no_resident_bytes(tmp_path):
+    f = tmp_path / "empty"
+    f.write_bytes(b"")
+    assert pagecache.resident_bytes(f) == 0
+
+
+def test_disk_run_starts_with_the_bytes_dropped_and_reads_them_from_disk(tmp_path):
+    files = [_written(tmp_path / "a.bin"), _written(tmp_path / "b.bin", 2)]
+    for f in files:
+        f.read_bytes()
+    seen = {}
+
+    def start():
+        seen["resident"] = pagecache.resident_share(files)    # what the fresh process would find cached
+        for f in files:
+            f.read_bytes()                                     # ...which then reads them
+        return FreshRun({"read": 0.01, "deserialize": 0.02, "to_device": 0.0, "total": 0.5}, None)
+
+    disk = measure_from_disk(files, start)
+    assert seen["resident"] <= MAX_RESIDENT_FOR_DISK
+    assert disk.reason is None and disk.raw_read_s > 0 and disk.artifact_bytes == 6 * 2**20
+    d = disk.as_dict()
+    assert d["measured"] and d["load_ms"] == 30.0 and d["total_ms"] == 500.0
+    assert d["load_floor_ratio"] == round(0.03 / disk.raw_read_s, 2)
+
+
+def test_bytes_that_stay_cached_are_reported_not_timed(tmp_path):
+    f = _written(tmp_path / "held.bin")
+    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as held:
+        sum(held[i] for i in range(0, len(held), mmap.PAGESIZE))   # mapped and touched: not droppable
+        disk = measure_from_disk([f], lambda: (_ for _ in ()).throw(AssertionError("must not start")))
+    assert disk.reason and "stayed in memory" in disk.reason
+    assert disk.as_dict() == {"measured": False, "reason": disk.reason, "resident_after_drop": disk.resident_share}
