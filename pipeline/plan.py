@@ -13,6 +13,9 @@ Two inputs, both recorded:
   of the kernels (emulated fp16 costs the same per op on one thread or many), while two thread pools
   on busy cores measure the scheduler: OpenMP and ONNX Runtime workers spin after each call and
   starve the other side (MiniLM's eager call measured 0.13-2.2 s with two threads on this busy host).
+  An ONNX build drops the torch module after its export (its steps read the graph; quantizing
+  bert-large held 5.7 GB with the module, 4.2 without): eager's calls are then timed just before
+  the build, on the same thread count, and the variant's after it.
   A variant whose fastest call is more than `conversion.screen_max_slowdown` times eager's (and
   slower by more than `MIN_LOSS_S`, so a tiny model's noise decides nothing) is `skipped`: conversion.json keeps the measured reason, the folder
   keeps nothing loadable, benchmark/select/report treat it like a rejected variant.
@@ -27,6 +30,7 @@ which is what catches a batch size baked in by tracing.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -78,15 +82,16 @@ class Screen:
     dtype: str
     note: Optional[str]                       # host_unsuitable's reason, if any
     max_slowdown: float
-    eager_call: Optional[Callable[[], float]]   # one fp32 eager batch-1 call -> seconds; None: not measured
+    eager_call: Optional[Callable[[], float]]   # one fp32 eager batch-1 call -> seconds; None: not alternated
     feeds: dict
     device: str = "cpu"
     threads: int = 1
+    eager_before: tuple[float, ...] = ()       # eager's calls timed before the build (releases_module)
 
     def __call__(self, model_dir: Path) -> dict:
         """{'decision': 'build' | 'skip', 'reason', figures...}; never raises for a slow variant."""
         from handlers.runtime import load_runtime
-        if self.eager_call is None:
+        if self.eager_call is None and not self.eager_before:
             return {"decision": "skip" if self.note else "build", "isa_note": self.note, "seconds": 0.0,
                     "reason": f"{self.variant}: {self.note}" if self.note else "not measured on this device"}
         import torch
@@ -94,14 +99,16 @@ class Screen:
         torch_threads = torch.get_num_threads()
         runtime = load_runtime(model_dir, device=self.device, threads=self.threads)
         torch.set_num_threads(self.threads)          # the eager side too (a torch runtime already did)
-        eager_calls: list[float] = []
+        eager_calls: list[float] = list(self.eager_before)
         calls: list[float] = []
         try:
-            self.eager_call()                 # warm-up of the reference
+            if self.eager_call is not None:
+                self.eager_call()             # warm-up of the reference
             # Eager and variant calls alternate and the fastest of each counts: a busy spell on a
             # shared host slows both sides alike instead of deciding the comparison.
             for _ in range(CALLS):
-                eager_calls.append(self.eager_call())
+                if self.eager_call is not None:
+                    eager_calls.append(self.eager_call())
                 c0 = time.perf_counter()
                 runtime.run(self.feeds)
                 calls.append(time.perf_counter() - c0)
@@ -148,17 +155,27 @@ def make_screen(converter_cls, params, loaded, golden, env: dict, device: str) -
     import torch
     batch1 = min(golden.batches, key=lambda b: b.batch_size)
     args = loaded.example_inputs(batch1.feeds)
-    module = loaded.module
 
     def eager_call() -> float:
+        module = loaded.require_module()      # looked up per call: the screen must not keep it alive
         with torch.inference_mode():
             t0 = time.perf_counter()
             module(*args)
             return time.perf_counter() - t0
 
-    return Screen(variant=converter_cls.name, dtype=converter_cls.dtype, note=note,
-                  max_slowdown=params.conversion.screen_max_slowdown, eager_call=eager_call,
-                  feeds=batch1.feeds, device=device)
+    screen = Screen(variant=converter_cls.name, dtype=converter_cls.dtype, note=note,
+                    max_slowdown=params.conversion.screen_max_slowdown, eager_call=eager_call,
+                    feeds=batch1.feeds, device=device)
+    if not converter_cls.releases_module:
+        return screen
+    threads = torch.get_num_threads()
+    torch.set_num_threads(screen.threads)
+    try:
+        eager_call()                          # warm-up
+        before = tuple(eager_call() for _ in range(CALLS))
+    finally:
+        torch.set_num_threads(threads)
+    return dataclasses.replace(screen, eager_call=None, eager_before=before)   # holds no module
 
 
 def bounded_golden(golden, loaded, params, tol=None):
@@ -168,7 +185,6 @@ def bounded_golden(golden, loaded, params, tol=None):
     set as a whole, and k shrinks with the samples — on a 1.3 GB model recall@3 over 15 samples
     passed a variant whose recall@8 over the 33 samples was 0.947, which serve_check's HTTP parity
     then refused (0.928)."""
-    import dataclasses
 
     from pipeline.weights import module_bytes
     size_mb = module_bytes(loaded.module) / 2**20

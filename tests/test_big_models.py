@@ -289,6 +289,59 @@ def test_plan_keeps_a_competitive_variant_and_records_the_times_apart(tensor_par
     assert make_screen(get_converter("eager"), tensor_params, loaded, golden, {}, "cpu") is None   # the reference
 
 
+def _reloadable(loaded):
+    """`loaded` with a reload that rebuilds its module from a saved state (counted), keeping no
+    reference to the module itself."""
+    import copy
+    blank = copy.deepcopy(loaded.module)
+    state = {k: v.clone() for k, v in loaded.module.state_dict().items()}
+    reloads = []
+
+    def reload():
+        reloads.append(1)
+        m = copy.deepcopy(blank)
+        m.load_state_dict(state)
+        return m
+    loaded.reload = reload
+    return reloads
+
+
+def test_an_onnx_build_frees_the_torch_module_and_its_screen_timed_eager_first(tensor_params, tmp_path):
+    import gc
+    import weakref
+
+    from pipeline.plan import CALLS, make_screen
+    from pipeline.variants.base import get_converter
+    loaded, golden = tensor_case(wide_mlp(64, 128, 3), 64, batch_sizes=(1, 2))
+    reloads = _reloadable(loaded)
+    module = weakref.ref(loaded.module)
+    cls = get_converter("onnx")
+    screen = make_screen(cls, tensor_params, loaded, golden, {}, "cpu")
+    assert screen.eager_call is None and len(screen.eager_before) == CALLS      # timed before the build
+    record = build_variant(cls.from_params(tensor_params), loaded, golden, tmp_path / "onnx", "cpu",
+                           tolerance_for(tensor_params, "float32"), tensor_params.conversion.min_topk_agreement,
+                           screen=screen)
+    assert record["status"] == "converted", record["reason"]
+    assert record["screen"]["eager_calls_s"] == [round(c, 5) for c in screen.eager_before]
+    gc.collect()
+    assert loaded.module is None and module() is None and reloads == []      # freed, never needed again
+
+
+def test_a_released_module_is_loaded_again_by_the_next_build(tensor_params, tmp_path):
+    from pipeline.variants.base import BuildContext, get_converter
+    loaded, golden = tensor_case(wide_mlp(64, 128, 3), 64, batch_sizes=(1, 2))
+    reference = loaded.module(*loaded.example_inputs(golden.batches[0].feeds))
+    reloads = _reloadable(loaded)
+    assert loaded.release_module() and loaded.module is None
+    (tmp_path / "ts").mkdir()
+    ctx = BuildContext(loaded, golden, tmp_path / "ts", "cpu")
+    get_converter("torchscript")().build("trace", ctx)          # e.g. the method after a rejected one
+    assert reloads == [1] and loaded.module is not None
+    torch.testing.assert_close(loaded.module(*loaded.example_inputs(golden.batches[0].feeds)), reference)
+    loaded.reload = None                                         # cannot be loaded again: kept
+    assert not loaded.release_module() and loaded.module is not None
+
+
 def test_big_models_verify_one_golden_batch_per_size(tensor_params):
     from pipeline.plan import bounded_golden
     loaded, golden = tensor_case(wide_mlp(64, 128, 3), 64, batch_sizes=(1, 1, 4, 4, 2))

@@ -31,7 +31,7 @@ class AotiConverter(Converter):
     methods = ("export-compile",)
 
     def build_export_compile(self, ctx: BuildContext) -> Artifact:
-        module = module_copy(ctx.loaded.module, ctx.device)
+        module = module_copy(ctx.module(), ctx.device)
         program = torch.export.export(module, ctx.example_inputs(None, ctx.device), dynamic_shapes=ctx.dynamic_shapes())
         path = ctx.out_dir / "aoti.pt2"
         torch._inductor.aoti_compile_and_package(program, package_path=str(path))

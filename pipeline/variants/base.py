@@ -28,6 +28,10 @@ class BuildContext:
     out_dir: Path
     device: str
 
+    def module(self):
+        """The torch module to build from, loaded again if an earlier step released it."""
+        return self.loaded.require_module()
+
     def example_feeds(self, batch_size: int | None = None) -> dict[str, np.ndarray]:
         """A golden batch's feeds: of `batch_size`, or the largest batch when None (tracing with a
         batch > 1 keeps torch.export from specialising the batch dimension to 1)."""
@@ -82,6 +86,9 @@ class Converter:
     # FAILED to build always is). True where the methods compute differently (a frozen trace vs a
     # plain one); False where they only reach the same computation another way.
     retry_rejected: ClassVar[bool] = True
+    # True where a build drops the torch module part-way (LoadedModel.release_module): the plan's
+    # screen then times eager's calls before the build instead of alternating with the variant's.
+    releases_module: ClassVar[bool] = False
 
     @dataclass(frozen=True)
     class Options:

@@ -143,6 +143,9 @@ def build_variant(converter: Converter, loaded, golden, out_dir: str | Path, dev
                 if attempt["screen"]["decision"] == "skip":
                     attempt.update(status="skipped", reason=attempt["screen"]["reason"])
                     break
+            # Verification runs the artifact against the golden outputs: the torch module would only
+            # add a copy of the weights to the artifact's (a later method loads it again).
+            ctx.loaded.release_module()
             v: Verification = verify_variant(out_dir, golden, tol, min_topk_agreement, device=device, threads=threads)
             attempt["verification_s"] = round(v.seconds, 3)
         except Exception as e:   # the runtime cannot even load it

@@ -21,11 +21,11 @@ class EagerConverter(Converter):
     methods = ("export", "script")
 
     def build_export(self, ctx: BuildContext) -> Artifact:
-        program = torch.export.export(ctx.loaded.module, ctx.example_inputs(), dynamic_shapes=ctx.dynamic_shapes())
+        program = torch.export.export(ctx.module(), ctx.example_inputs(), dynamic_shapes=ctx.dynamic_shapes())
         torch.export.save(program, ctx.out_dir / "exported.pt2")
         return Artifact("exported.pt2", "eager", default_input_dtypes(ctx.loaded))
 
     def build_script(self, ctx: BuildContext) -> Artifact:
-        scripted = torch.jit.script(ctx.loaded.module)
+        scripted = torch.jit.script(ctx.module())
         scripted.save(str(ctx.out_dir / "model.pt"))
         return Artifact("model.pt", "torchscript", default_input_dtypes(ctx.loaded))

@@ -51,6 +51,7 @@ class OnnxConverter(Converter):
     family = "onnx"
     dtype = "float32"
     methods = ("dynamo", "legacy")
+    releases_module = True          # after the export (see _build)
 
     @dataclass(frozen=True)
     class Options:
@@ -77,17 +78,23 @@ class OnnxConverter(Converter):
 
     # ------------------------------------------------------------------ steps
     def _build(self, ctx: BuildContext, dynamo: bool) -> Artifact:
-        external = module_bytes(ctx.loaded.module) >= self.options.external_data_min_bytes
+        module = ctx.module()
+        external = module_bytes(module) >= self.options.external_data_min_bytes
         raw_dir = ctx.out_dir / "raw"          # the exporters may scatter per-tensor files: all go with it
         raw_dir.mkdir(exist_ok=True)
         raw = raw_dir / "raw.onnx"
         final = ctx.out_dir / ARTIFACT
         try:
-            key = export_key(ctx.loaded.module, self._export_inputs(ctx),
+            key = export_key(module, self._export_inputs(ctx),
                              {"dynamo": dynamo, "external": external, "opset": self.options.opset, "device": ctx.device},
                              [Path(__file__)])
             export = cached_export(key, raw, lambda: self._export(ctx, raw, dynamo, external),
                                    lambda: [p for p in (raw, data_file(raw)) if p.is_file()])
+            # Every later step reads the exported graph: the torch module's weights would only add
+            # a copy of the model to the ONNX steps' own (quantizing needs two).
+            del module
+            if ctx.loaded.release_module():
+                log.info("%s: torch module released after the export (the ONNX steps use the graph)", self.name)
             self._transform(raw)
             external = self._optimize(ctx, raw, final)     # the artifact's own form (int8 decides by its size)
         finally:
@@ -120,7 +127,7 @@ class OnnxConverter(Converter):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if dynamo:
-                torch.onnx.export(loaded.module, args, str(path), dynamo=True, external_data=external,
+                torch.onnx.export(ctx.module(), args, str(path), dynamo=True, external_data=external,
                                   input_names=names_in, output_names=list(loaded.outputs),
                                   dynamic_shapes=ctx.dynamic_shapes(), opset_version=self.options.opset,
                                   verbose=False)
@@ -128,7 +135,7 @@ class OnnxConverter(Converter):
             else:
                 axes = {s.name: {int(a): n for a, n in s.dynamic_axes.items()} for s in loaded.inputs}
                 axes.update({o: {0: "batch"} for o in loaded.outputs})
-                torch.onnx.export(loaded.module, args, str(path), dynamo=False, input_names=names_in,
+                torch.onnx.export(ctx.module(), args, str(path), dynamo=False, input_names=names_in,
                                   output_names=list(loaded.outputs), dynamic_axes=axes,
                                   opset_version=self.options.opset)
         if external:

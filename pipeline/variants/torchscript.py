@@ -32,7 +32,7 @@ class TorchScriptConverter(Converter):
 
     def _trace(self, ctx: BuildContext):
         dtype = TORCH_DTYPES[self.dtype]
-        module = module_copy(ctx.loaded.module, ctx.device, dtype)
+        module = module_copy(ctx.module(), ctx.device, dtype)
         args = ctx.example_inputs(1, ctx.device, float_dtype=dtype)
         with torch.no_grad():
             # check_trace=False: the golden-set verification is the (stricter) check.
