@@ -33,6 +33,8 @@ class TorchScriptConverter(Converter):
     def _trace(self, ctx: BuildContext):
         dtype = TORCH_DTYPES[self.dtype]
         module = module_copy(ctx.module(), ctx.device, dtype)
+        if self.releases_module:
+            ctx.loaded.release_module()      # the copy holds converted tensors of its own
         args = ctx.example_inputs(1, ctx.device, float_dtype=dtype)
         with torch.no_grad():
             # check_trace=False: the golden-set verification is the (stricter) check.
@@ -58,9 +60,12 @@ class TorchScriptConverter(Converter):
 class Float16Converter(TorchScriptConverter):
     name = "fp16"
     dtype = "float16"
+    # The half-precision copy holds its own tensors: the fp32 module goes (a GPU build's host RAM too).
+    releases_module = True
 
 
 @register
 class BFloat16Converter(TorchScriptConverter):
     name = "bf16"
     dtype = "bfloat16"
+    releases_module = True
