@@ -164,3 +164,24 @@ def module_copy(module, device: str = "cpu", dtype=None):
     for b in module.buffers():
         memo[id(b)] = converted(b)
     return copy.deepcopy(module, memo).eval()
+
+
+def forget_jit_types() -> None:
+    """Drop the TorchScript types this process compiled (call once the module is saved). The global
+    class registry keeps every traced or scripted module's type, and through it its constants, for
+    the life of the process: bert-large's frozen and optimised weights (1.3 GB) stayed resident
+    through the screen and verification, which load the saved artifact on top (4.2 GB peak). Saved
+    and loaded modules keep their own types; the next trace registers new ones. All three caches go
+    together, as torch's own test helper (`clear_class_registry`) does: clearing the registry alone
+    left the module-type cache pointing into it, and the next `torch.jit.script` crashed."""
+    import torch
+    try:
+        clear_registry = torch._C._jit_clear_class_registry
+        fresh_store = torch.jit._recursive.ConcreteTypeStore
+        clear_classes = torch.jit._state._clear_class_state
+    except AttributeError:
+        return                        # another torch: its caches stay (memory only, never correctness)
+    clear_registry()
+    torch.jit._recursive.concrete_type_store = fresh_store()
+    clear_classes()
+

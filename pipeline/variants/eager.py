@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, register
+from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, forget_jit_types, register
 
 
 @register
@@ -28,4 +28,5 @@ class EagerConverter(Converter):
     def build_script(self, ctx: BuildContext) -> Artifact:
         scripted = torch.jit.script(ctx.module())
         scripted.save(str(ctx.out_dir / "model.pt"))
+        forget_jit_types()
         return Artifact("model.pt", "torchscript", default_input_dtypes(ctx.loaded))

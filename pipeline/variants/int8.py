@@ -46,7 +46,8 @@ import torch
 
 from pipeline.params import Int8Params, Params, Tolerance, _default_tolerances
 from pipeline.variants import smoothing
-from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, module_copy, register
+from pipeline.variants.base import (Artifact, BuildContext, Converter, default_input_dtypes, forget_jit_types,
+                                    module_copy, register)
 from pipeline.variants.onnx import OnnxConverter, onnx_bytes
 from pipeline.variants.sensitivity import RANKING_BATCHES, Calibration, search
 from pipeline.variants.torchscript import TorchScriptConverter
@@ -533,6 +534,7 @@ class TorchInt8Converter(Int8Mixin, TorchScriptConverter):
 
     def _save(self, ctx: BuildContext, module) -> Artifact:
         module.save(str(ctx.out_dir / self.artifact))
+        forget_jit_types()
         return Artifact(self.artifact, "torchscript", default_input_dtypes(ctx.loaded),
                         extra={"traced_batch_size": 1, "quantization": self._record})
 

@@ -182,9 +182,9 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
         attempt_times.append(time.perf_counter() - t_attempt)
         return handle, v
 
-    handle, v = attempt([])
+    chosen, v = attempt([])
     record["whole_model"] = record["attempts"][0]
-    chosen, kept = handle, []
+    kept: list[str] = []
     def spent() -> bool:
         """No attempt is started that would end past the budget (bert-large: ~26 s an attempt, so
         one begun at 114 s of 120 ended at 141)."""
@@ -220,6 +220,10 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
                     out_of_reach = True
                     log.info("int8: %s", reach["why"])
                     break
+            # Only the latest attempt can be chosen (a pass ends this loop; else the most-kept miss), so
+            # no other is held: a torch attempt is a whole quantized model (bert-large: +0.3 GB each).
+            chosen = None
+            handles = {n: None}
             handles[n], v = attempt(ranked[:n])
             if v.passed:
                 pass_n = n
@@ -232,9 +236,10 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
             mid = (pass_n + fail_n) // 2
             h, v = attempt(ranked[:mid])
             if v.passed:
-                pass_n, handles[mid] = mid, h
+                pass_n, handles = mid, {mid: h}       # fewer kept fp32: the earlier pass is not needed
             else:
                 fail_n = mid
+            h = None
         n_final = pass_n if pass_n is not None else max(handles, default=0)
         if n_final:
             chosen, kept = handles[n_final], ranked[:n_final]

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from pipeline.plan import emulated_dtype_note
-from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, module_copy, register
+from pipeline.variants.base import (Artifact, BuildContext, Converter, default_input_dtypes, forget_jit_types,
+                                    module_copy, register)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -42,6 +43,7 @@ class TorchScriptConverter(Converter):
 
     def _save(self, ctx: BuildContext, module) -> Artifact:
         module.save(str(ctx.out_dir / self.artifact))
+        forget_jit_types()
         return Artifact(self.artifact, "torchscript", default_input_dtypes(ctx.loaded, self.dtype),
                         extra={"traced_batch_size": 1})
 
