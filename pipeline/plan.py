@@ -163,19 +163,21 @@ def make_screen(converter_cls, params, loaded, golden, env: dict, device: str) -
             module(*args)
             return time.perf_counter() - t0
 
-    screen = Screen(variant=converter_cls.name, dtype=converter_cls.dtype, note=note,
-                    max_slowdown=params.conversion.screen_max_slowdown, eager_call=eager_call,
-                    feeds=batch1.feeds, device=device)
     if not converter_cls.releases_module:
-        return screen
+        return Screen(variant=converter_cls.name, dtype=converter_cls.dtype, note=note,
+                      max_slowdown=params.conversion.screen_max_slowdown, eager_call=eager_call,
+                      feeds=batch1.feeds, device=device)
+    # The build will drop the module: eager's calls are timed now, and the screen holds no module.
     threads = torch.get_num_threads()
-    torch.set_num_threads(screen.threads)
+    torch.set_num_threads(Screen.threads)
     try:
         eager_call()                          # warm-up
         before = tuple(eager_call() for _ in range(CALLS))
     finally:
         torch.set_num_threads(threads)
-    return dataclasses.replace(screen, eager_call=None, eager_before=before)   # holds no module
+    return Screen(variant=converter_cls.name, dtype=converter_cls.dtype, note=note,
+                  max_slowdown=params.conversion.screen_max_slowdown, eager_call=None,
+                  feeds=batch1.feeds, device=device, eager_before=before)
 
 
 def bounded_golden(golden, loaded, params, tol=None):

@@ -86,8 +86,9 @@ class Converter:
     # FAILED to build always is). True where the methods compute differently (a frozen trace vs a
     # plain one); False where they only reach the same computation another way.
     retry_rejected: ClassVar[bool] = True
-    # True where a build drops the torch module part-way (LoadedModel.release_module): the plan's
-    # screen then times eager's calls before the build instead of alternating with the variant's.
+    # True where the build itself drops the torch module (LoadedModel.release_module; every build's
+    # verification does too): the plan's screen then times eager's calls before the build instead of
+    # alternating them with the variant's.
     releases_module: ClassVar[bool] = False
 
     @dataclass(frozen=True)

@@ -547,7 +547,7 @@ class TorchInt8Converter(Int8Mixin, TorchScriptConverter):
         from pipeline.golden import run_reference
         engine = "x86" if "x86" in torch.backends.quantized.supported_engines else "qnnpack"
         torch.backends.quantized.engine = engine
-        ctx.module()                  # loaded again if the screen's verification released it
+        ctx.module()                  # loaded again if an earlier method's verification released it
         loaded = ctx.loaded
         cal = self.calibration(ctx, lambda f: run_reference(loaded, f))
         candidates = [n for n, m in loaded.module.named_modules() if isinstance(m, torch.nn.Linear)]

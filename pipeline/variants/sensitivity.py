@@ -222,8 +222,7 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
                     break
             # Only the latest attempt can be chosen (a pass ends this loop; else the most-kept miss), so
             # no other is held: a torch attempt is a whole quantized model (bert-large: +0.3 GB each).
-            chosen = None
-            handles = {n: None}
+            chosen, handles = None, {}
             handles[n], v = attempt(ranked[:n])
             if v.passed:
                 pass_n = n
