@@ -31,7 +31,6 @@ GPU int8 is TensorRT's path (a calibrated TensorRT engine), which this pipeline 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -49,6 +48,7 @@ from pipeline.variants import smoothing
 from pipeline.variants.base import (Artifact, BuildContext, Converter, default_input_dtypes, forget_jit_types,
                                     module_copy, register)
 from pipeline.variants.onnx import OnnxConverter, onnx_bytes
+from pipeline.variants.ort_quantizer import PerChannelWeightCache, one_model_copy
 from pipeline.variants.sensitivity import RANKING_BATCHES, Calibration, search
 from pipeline.variants.torchscript import TorchScriptConverter
 
@@ -239,60 +239,13 @@ class OnnxInt8DynamicConverter(_OnnxInt8):
         q = self._q()
         # Every sensitivity attempt quantizes the same fp32 weights (only the kept set differs): the
         # per-channel results are reused (keyed to this build's `tmp`, so to one fp32 graph).
+        # ORT's dynamic quantizer would hold three copies of the weights while it refreshes shapes.
         cache = self.__dict__.setdefault("_weight_cache", PerChannelWeightCache())
-        with cache.active(scope=str(tmp)):
+        with cache.active(scope=str(tmp)), one_model_copy():
             quantize_dynamic(str(src), str(dst), op_types_to_quantize=list(QUANTIZABLE_OPS), per_channel=q.per_channel,
                          reduce_range=self._reduce_range(), weight_type=QuantType.QInt8, nodes_to_quantize=list(nodes),
                              nodes_to_exclude=list(exclude), use_external_data_format=external,
                              extra_options={"MatMulConstBOnly": True, **UNTYPED_AS_FLOAT})
-
-
-class PerChannelWeightCache:
-    """Memoizes ONNX Runtime's per-channel weight quantization (ORT 1.31 loops over the channels in
-    Python: bert-large's 140 MatMul weights are 217 088 calls, 20 of a 27 s quantize_dynamic) for
-    the sensitivity attempts of one build, which re-quantize the same weights with a different set
-    kept fp32. A hit adds the same scale / zero-point / int8 initializers ORT would have."""
-
-    def __init__(self):
-        self._store: dict[tuple, tuple[tuple, list]] = {}
-        self.hits = self.misses = 0
-
-    @contextlib.contextmanager
-    def active(self, scope: str):
-        from onnxruntime.quantization.base_quantizer import BaseQuantizer
-        original = BaseQuantizer.quantize_weight_per_channel_impl
-        cache = self
-
-        def memoized(quantizer, weight_name, weight_qType, channel_axis, reduce_range=True,  # noqa: N803
-                     keep_float_weight=False):
-            key = (scope, weight_name, weight_qType, channel_axis, reduce_range, keep_float_weight,
-                   quantizer.reduce_range, quantizer.is_weight_symmetric(weight_qType),
-                   getattr(quantizer, "min_real_range", None),
-                   bool(quantizer.tensor_quant_overrides.get_per_channel_overrides(weight_name, default_val=None)))
-            hit = cache._store.get(key)
-            if hit is not None:
-                cache.hits += 1
-                quantizer.model.initializer_extend(hit[1])          # copied in by protobuf
-                return hit[0]
-            cache.misses += 1
-            names = original(quantizer, weight_name, weight_qType, channel_axis, reduce_range, keep_float_weight)
-            added = {i.name: i for i in quantizer.model.initializer()[-3:]}
-            made = [added[n] for n in (names[2], names[1], names[0]) if n in added]   # scale, zp, weight
-            if len(made) == (2 if keep_float_weight else 3):
-                cache._store[key] = (names, [_copy_proto(t) for t in made])
-            return names
-
-        BaseQuantizer.quantize_weight_per_channel_impl = memoized
-        try:
-            yield self
-        finally:
-            BaseQuantizer.quantize_weight_per_channel_impl = original
-
-
-def _copy_proto(t):
-    c = type(t)()
-    c.CopyFrom(t)
-    return c
 
 
 @register
