@@ -595,6 +595,57 @@ def test_quantizer_refreshes_shapes_without_a_second_copy(outlier_models, tmp_pa
     assert onnx_quantizer.save_and_reload_model_with_shape_infer.__name__ == "save_and_reload_model_with_shape_infer"
 
 
+@pytest.mark.parametrize("method", ["MinMax", "Entropy", "Percentile"])
+def test_calibration_over_the_graph_alone_gives_ort_s_ranges(method, outlier_models, tmp_path, monkeypatch):
+    """calibrate_to_cache() calibrates before quantize_static without loading the weights into
+    Python (the session reads them from the data file): the ranges must be ORT's own, and
+    quantize_static must take them from the cache instead of calibrating again."""
+    import importlib.util
+
+    import onnx
+    import torch
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, calibrate, quantize_static
+
+    from pipeline.variants.int8 import _FeedsReader, weight_nodes
+    from pipeline.variants.ort_quantizer import calibrate_to_cache
+    factory, _ = outlier_models[1000.0]
+    spec = importlib.util.spec_from_file_location("outlier_mlp_calibration", factory.split(":")[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    src = tmp_path / "fp32.onnx"
+    torch.onnx.export(module.build(1000.0).eval(), (torch.randn(2, 4, 16),), str(src), dynamo=False,
+                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}})
+    onnx.save(onnx.load(str(src)), str(src), save_as_external_data=True, location="fp32.onnx.data", size_threshold=0)
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((8, 4, 16)).astype(np.float32)} for _ in range(3)]
+    how = getattr(CalibrationMethod, method)
+    ours, theirs = tmp_path / "ours.json", tmp_path / "theirs.json"
+    loads = []
+    real_load = onnx.load_model
+
+    def spy(f, *a, load_external_data=True, **k):
+        loads.append(load_external_data)
+        return real_load(f, *a, load_external_data=load_external_data, **k)
+    monkeypatch.setattr(onnx, "load", spy)
+    monkeypatch.setattr(onnx, "load_model", spy)
+    calibrate_to_cache(src, _FeedsReader(feeds), ["MatMul", "Gemm"], how, ours)
+    monkeypatch.undo()
+    assert loads and not any(loads)               # every load the calibration made left the weights on disk
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp32.onnx", "fp32.onnx.data", "ours.json"]
+    kw = dict(quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul", "Gemm"], activation_type=QuantType.QUInt8,
+              weight_type=QuantType.QInt8, nodes_to_quantize=weight_nodes(src), calibrate_method=how,
+              use_external_data_format=True)
+    quantize_static(str(src), str(tmp_path / "theirs.onnx"), _FeedsReader(feeds), calibration_cache_path=theirs, **kw)
+    a, b = calibrate.load_tensors_data(ours), calibrate.load_tensors_data(theirs)
+    assert set(a.keys()) == set(b.keys()) and len(a.keys()) > 3
+    for name in b.keys():
+        np.testing.assert_allclose(a[name].range_value, b[name].range_value, rtol=1e-5, atol=1e-6)
+    # The cache is read, never recomputed: an empty reader would fail a calibration.
+    quantize_static(str(src), str(tmp_path / "ours.onnx"), _FeedsReader([]), calibration_cache_path=ours, **kw)
+    assert [n.op_type for n in onnx.load(str(tmp_path / "ours.onnx")).graph.node] == \
+        [n.op_type for n in onnx.load(str(tmp_path / "theirs.onnx")).graph.node]
+
+
 def test_needed_share_from_the_missed_figures():
     """A miss (1 - figure) must shrink to the margined gate's: recall 0.90 against 0.9625 → 62.5% of
     the error removed; figures that pass, or have no 'at least' form (max_abs), ask nothing."""

@@ -48,7 +48,7 @@ from pipeline.variants import smoothing
 from pipeline.variants.base import (Artifact, BuildContext, Converter, default_input_dtypes, forget_jit_types,
                                     module_copy, register)
 from pipeline.variants.onnx import OnnxConverter, onnx_bytes
-from pipeline.variants.ort_quantizer import PerChannelWeightCache, one_model_copy
+from pipeline.variants.ort_quantizer import PerChannelWeightCache, calibrate_to_cache, one_model_copy
 from pipeline.variants.sensitivity import RANKING_BATCHES, Calibration, search
 from pipeline.variants.torchscript import TorchScriptConverter
 
@@ -261,13 +261,17 @@ class OnnxInt8StaticConverter(_OnnxInt8):
     def _quantize(self, src, dst, cal, tmp, nodes, exclude, external):
         from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
         q = self._q()
-        # The ranges are measured once (the first call) and reused by every sensitivity attempt.
+        # The ranges are measured once (the first call), holding one copy of the weights, and reused
+        # by every sensitivity attempt through quantize_static's calibration cache.
+        method = getattr(CalibrationMethod, self.METHODS[q.calibration])
+        cache = tmp / "calibration.json"
+        if not cache.exists():
+            calibrate_to_cache(src, _FeedsReader(cal.feeds), list(QUANTIZABLE_OPS), method, cache)
         quantize_static(str(src), str(dst), _FeedsReader(cal.feeds), quant_format=QuantFormat.QDQ,
                         op_types_to_quantize=list(QUANTIZABLE_OPS), per_channel=q.per_channel,
                         reduce_range=self._reduce_range(), activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                         nodes_to_quantize=list(nodes), nodes_to_exclude=list(exclude),
-                        calibrate_method=getattr(CalibrationMethod, self.METHODS[q.calibration]),
-                        calibration_cache_path=tmp / "calibration.json", use_external_data_format=external,
+                        calibrate_method=method, calibration_cache_path=cache, use_external_data_format=external,
                         extra_options={"MatMulConstBOnly": True, "WeightSymmetric": True,
                                        "ActivationSymmetric": False, **UNTYPED_AS_FLOAT,
                                        # A MatMul weight is (in, out): its output channels are axis 1.

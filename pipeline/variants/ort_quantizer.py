@@ -9,6 +9,11 @@ Both are patches of ORT 1.31's Python quantizer (onnxruntime.quantization), acti
   onnx-int8-dynamic build peaked at 4.4 GB there, for a 1.34 GB fp32 graph. The replacement runs the
   same ONNX shape inference over a skeleton of the graph (weights reduced to their types and shapes)
   and gives the model back with the inferred value_info and ORT's "shapes inferred" mark.
+- `calibrate_to_cache()`: quantize_static calibrates with the model it loaded still held, a second
+  copy loaded by the calibrator, and a session over it that pre-packs the weights again (bert-large's
+  onnx-int8-static build peaked at 4.8 GB). Calibrating first, over the graph alone (the session
+  reads the weights from their data file and does not pre-pack them), and handing quantize_static
+  the ranges through its calibration cache leaves one copy at a time.
 - `PerChannelWeightCache`: memoizes the per-channel weight quantization across the sensitivity
   attempts of one build, which re-quantize the same weights with a different set kept fp32.
 """
@@ -69,6 +74,56 @@ def one_model_copy():
     finally:
         for m, f in originals.items():
             m.save_and_reload_model_with_shape_infer = f
+
+
+def _load_graph_with_shape_infer(model_path):
+    """ORT's load_model_with_shape_infer without loading the external weights."""
+    import onnx
+    from onnxruntime.quantization.quant_utils import add_infer_metadata, generate_identified_filename
+    inferred = generate_identified_filename(model_path, "-inferred")
+    onnx.shape_inference.infer_shapes_path(str(model_path), str(inferred))
+    model = onnx.load(str(inferred), load_external_data=False)
+    add_infer_metadata(model)
+    inferred.unlink()
+    return model
+
+
+def _session_without_prepacking(calibrator):
+    import onnxruntime
+    so = onnxruntime.SessionOptions()
+    so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL   # as ORT's calibrator
+    so.add_session_config_entry("session.disable_prepacking", "1")    # a few calibration runs: not worth a copy
+    calibrator.infer_session = onnxruntime.InferenceSession(calibrator.augmented_model_path, sess_options=so,
+                                                            providers=calibrator.execution_providers)
+
+
+def calibrate_to_cache(src, reader, op_types: list, method, cache_path) -> None:
+    """Calibrate `src` (an external-data graph) as quantize_static would and write the ranges to
+    `cache_path`, which quantize_static(calibration_cache_path=...) then reads instead of calibrating.
+    The augmented graph is written beside `src`, so its weight references still resolve."""
+    from pathlib import Path
+
+    from onnxruntime.quantization import calibrate, quant_utils
+    src = Path(src)
+    patches = [(quant_utils, "load_model_with_shape_infer", _load_graph_with_shape_infer),
+               (calibrate, "load_model_with_shape_infer", _load_graph_with_shape_infer),
+               (calibrate.CalibraterBase, "create_inference_session", _session_without_prepacking)]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, f in patches:
+        setattr(owner, name, f)
+    augmented = src.with_name("augmented.onnx")
+    try:
+        calibrator = calibrate.create_calibrator(src, op_types, augmented_model_path=str(augmented),
+                                                 calibrate_method=method, use_external_data_format=True)
+        calibrator.collect_data(reader)
+        ranges = calibrator.compute_data()
+        del calibrator
+        calibrate.save_tensors_data(ranges, Path(cache_path), smooth_quant=False)
+    finally:
+        for owner, name, f in originals:
+            setattr(owner, name, f)
+        for p in (augmented, augmented.with_name(augmented.name + ".data")):
+            p.unlink(missing_ok=True)
 
 
 class PerChannelWeightCache:
