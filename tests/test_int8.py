@@ -260,8 +260,8 @@ def _mlp_onnx(outlier_models, outlier, path):
     spec = importlib.util.spec_from_file_location("outlier_mlp_export", factory.split(":")[0])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    torch.onnx.export(module.build(outlier), (torch.randn(2, 4, 16),), str(path), input_names=["x"],
-                      output_names=["y"], dynamic_axes={"x": {0: "b"}}, dynamo=False)
+    torch.onnx.export(module.build(outlier).eval(), (torch.randn(2, 4, 16),), str(path), input_names=["x"],
+                      output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}}, dynamo=False)
     return path
 
 
@@ -512,19 +512,11 @@ def test_per_channel_weight_cache_reproduces_ort_and_is_reused(outlier_models, t
     """The sensitivity attempts re-quantize the same weights: the memoized per-channel quantization
     must give byte-identical initializers to ORT's own, and the second attempt must not recompute."""
     import onnx
-    import torch
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     from pipeline.variants.int8 import weight_nodes
     from pipeline.variants.ort_quantizer import PerChannelWeightCache
-    import importlib.util
-    factory, _ = outlier_models[0.0]
-    spec = importlib.util.spec_from_file_location("outlier_mlp_cache", factory.split(":")[0])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    src = tmp_path / "fp32.onnx"
-    torch.onnx.export(module.build(0.0).eval(), (torch.randn(2, 4, 16),), str(src), dynamo=False,
-                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}})
+    src = _mlp_onnx(outlier_models, 0.0, tmp_path / "fp32.onnx")
     nodes = weight_nodes(src)
     assert len(nodes) == 3
 
@@ -553,21 +545,12 @@ def test_quantizer_refreshes_shapes_without_a_second_copy(outlier_models, tmp_pa
     """In dynamic mode ORT's quantizer deep-copies, saves and reloads the whole model to refresh its
     shapes (three copies of the weights at once). one_model_copy() must give the same quantized
     graph, byte for byte, without that save: the only model written is the result."""
-    import importlib.util
-
     import onnx
-    import torch
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     from pipeline.variants.int8 import UNTYPED_AS_FLOAT, weight_nodes
     from pipeline.variants.ort_quantizer import one_model_copy
-    factory, _ = outlier_models[0.0]
-    spec = importlib.util.spec_from_file_location("outlier_mlp_shapes", factory.split(":")[0])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    src = tmp_path / "fp32.onnx"
-    torch.onnx.export(module.build(0.0).eval(), (torch.randn(2, 4, 16),), str(src), dynamo=False,
-                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}})
+    src = _mlp_onnx(outlier_models, 0.0, tmp_path / "fp32.onnx")
     # Value_info for the weights too, as torch.onnx's dynamo export writes it: shape inference keeps
     # what a graph already records, and ORT's optimiser reads it (dropping it changed bert-large's
     # int8 outputs by 0.0035).
@@ -600,21 +583,12 @@ def test_calibration_over_the_graph_alone_gives_ort_s_ranges(method, outlier_mod
     """calibrate_to_cache() calibrates before quantize_static without loading the weights into
     Python (the session reads them from the data file): the ranges must be ORT's own, and
     quantize_static must take them from the cache instead of calibrating again."""
-    import importlib.util
-
     import onnx
-    import torch
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, calibrate, quantize_static
 
     from pipeline.variants.int8 import _FeedsReader, weight_nodes
     from pipeline.variants.ort_quantizer import calibrate_to_cache
-    factory, _ = outlier_models[1000.0]
-    spec = importlib.util.spec_from_file_location("outlier_mlp_calibration", factory.split(":")[0])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    src = tmp_path / "fp32.onnx"
-    torch.onnx.export(module.build(1000.0).eval(), (torch.randn(2, 4, 16),), str(src), dynamo=False,
-                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}})
+    src = _mlp_onnx(outlier_models, 1000.0, tmp_path / "fp32.onnx")
     onnx.save(onnx.load(str(src)), str(src), save_as_external_data=True, location="fp32.onnx.data", size_threshold=0)
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal((8, 4, 16)).astype(np.float32)} for _ in range(3)]
