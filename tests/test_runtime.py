@@ -133,6 +133,50 @@ def test_half_torchscript_takes_and_returns_float32(tmp_path):
         rt.close()
 
 
+def _mapped_files(address: int) -> list[str]:
+    """The files this process maps at `address` (Linux /proc/self/maps)."""
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(None, 5)
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= address < hi and len(parts) == 6:
+            found.append(parts[5].strip())
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_eager_program_weights_are_mapped_from_the_archive_not_copied(tmp_path):
+    """The eager variant's weights are slices of one mapping of the .pt2 (no copy out of the archive),
+    with torch.export.load's outputs; a record that cannot be mapped (an empty buffer) loads as torch does."""
+    import torch
+    from handlers.runtime_torch import load_exported_program
+
+    class Net(torch.nn.Module):
+        def __init__(self, empty: bool):
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 32)
+            self.register_buffer("shift", torch.arange(32, dtype=torch.float32))
+            if empty:
+                self.register_buffer("nothing", torch.zeros(0))
+
+        def forward(self, x):
+            return self.fc(x) + self.shift
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 64)
+    for empty in (False, True):
+        path = tmp_path / f"exported-{empty}.pt2"
+        torch.export.save(torch.export.export(Net(empty).eval(), (x,)), str(path))
+        mapped, plain = load_exported_program(path).module(), torch.export.load(str(path)).module()
+        with torch.inference_mode():
+            assert torch.equal(mapped(x), plain(x))
+        weight = mapped.fc.weight
+        in_archive = str(path.resolve()) in _mapped_files(weight.data_ptr())
+        assert in_archive is (not empty), _mapped_files(weight.data_ptr())
+    from torch.export.pt2_archive import _package
+    assert _package._build_file_map.__name__ == "_build_file_map"      # torch's own again after the load
+
+
 def test_clear_errors_for_bad_folders_and_devices(tmp_path):
     with pytest.raises(RuntimeLoadError, match="stages.convert"):
         load_runtime(tmp_path / "nothing")
