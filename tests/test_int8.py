@@ -605,6 +605,10 @@ def test_calibration_over_the_graph_alone_gives_ort_s_ranges(method, outlier_mod
     calibrate_to_cache(src, _FeedsReader(feeds), ["MatMul", "Gemm"], how, ours)
     monkeypatch.undo()
     assert loads and not any(loads)               # every load the calibration made left the weights on disk
+    from onnxruntime.quantization import quant_utils   # ORT's own functions again after the call
+    for module in (calibrate, quant_utils):
+        assert module.load_model_with_shape_infer.__name__ == "load_model_with_shape_infer"
+    assert calibrate.CalibraterBase.create_inference_session.__qualname__ == "CalibraterBase.create_inference_session"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fp32.onnx", "fp32.onnx.data", "ours.json"]
     kw = dict(quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul", "Gemm"], activation_type=QuantType.QUInt8,
               weight_type=QuantType.QInt8, nodes_to_quantize=weight_nodes(src), calibrate_method=how,
