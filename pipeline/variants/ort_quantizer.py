@@ -1,7 +1,7 @@
 """ONNX Runtime's quantizer, kept to one copy of the model's weights and not repeating itself.
 
-Both are patches of ORT 1.31's Python quantizer (onnxruntime.quantization), active only inside a
-`with` block around one quantize_dynamic call (pipeline/variants/int8.py):
+All are patches of ORT 1.31's Python quantizer (onnxruntime.quantization), each active only for
+one quantize_dynamic / calibration call of pipeline/variants/int8.py (`_patched` restores ORT's own):
 
 - `one_model_copy()`: in dynamic mode the quantizer refreshes its shape information by deep-copying
   the model, saving the copy and loading it again (`save_and_reload_model_with_shape_infer`), while
@@ -27,6 +27,19 @@ log = logging.getLogger(__name__)
 # Initializers at most this big keep their bytes in the skeleton: shape inference reads the values
 # of small constant inputs (Reshape's shape, Slice's bounds); a weight only needs its shape.
 SKELETON_KEEPS_BYTES = 1024
+
+
+@contextlib.contextmanager
+def _patched(*replacements):
+    """Inside: each (owner, name, replacement) set; ORT's own objects restored on the way out."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
+    for owner, name, replacement in replacements:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
 
 
 def infer_shapes_in_place(model):
@@ -66,14 +79,8 @@ def one_model_copy():
     if len(patched) < 2:        # another ORT: still correct, only the memory saving is lost
         log.warning("onnxruntime.quantization no longer reloads the model the way this patch expects; "
                     "quantizing without it")
-    originals = {m: m.save_and_reload_model_with_shape_infer for m in patched}
-    for m in patched:
-        m.save_and_reload_model_with_shape_infer = infer_shapes_in_place
-    try:
+    with _patched(*[(m, "save_and_reload_model_with_shape_infer", infer_shapes_in_place) for m in patched]):
         yield
-    finally:
-        for m, f in originals.items():
-            m.save_and_reload_model_with_shape_infer = f
 
 
 def _load_graph_with_shape_infer(model_path):
@@ -105,23 +112,18 @@ def calibrate_to_cache(src, reader, op_types: list, method, cache_path) -> None:
 
     from onnxruntime.quantization import calibrate, quant_utils
     src = Path(src)
-    patches = [(quant_utils, "load_model_with_shape_infer", _load_graph_with_shape_infer),
-               (calibrate, "load_model_with_shape_infer", _load_graph_with_shape_infer),
-               (calibrate.CalibraterBase, "create_inference_session", _session_without_prepacking)]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, f in patches:
-        setattr(owner, name, f)
     augmented = src.with_name("augmented.onnx")
     try:
-        calibrator = calibrate.create_calibrator(src, op_types, augmented_model_path=str(augmented),
-                                                 calibrate_method=method, use_external_data_format=True)
-        calibrator.collect_data(reader)
-        ranges = calibrator.compute_data()
-        del calibrator
+        with _patched((quant_utils, "load_model_with_shape_infer", _load_graph_with_shape_infer),
+                      (calibrate, "load_model_with_shape_infer", _load_graph_with_shape_infer),
+                      (calibrate.CalibraterBase, "create_inference_session", _session_without_prepacking)):
+            calibrator = calibrate.create_calibrator(src, op_types, augmented_model_path=str(augmented),
+                                                     calibrate_method=method, use_external_data_format=True)
+            calibrator.collect_data(reader)
+            ranges = calibrator.compute_data()
+            del calibrator
         calibrate.save_tensors_data(ranges, Path(cache_path), smooth_quant=False)
     finally:
-        for owner, name, f in originals:
-            setattr(owner, name, f)
         for p in (augmented, augmented.with_name(augmented.name + ".data")):
             p.unlink(missing_ok=True)
 
@@ -161,11 +163,8 @@ class PerChannelWeightCache:
                 cache._store[key] = (names, [_copy_proto(t) for t in made])
             return names
 
-        BaseQuantizer.quantize_weight_per_channel_impl = memoized
-        try:
+        with _patched((BaseQuantizer, "quantize_weight_per_channel_impl", memoized)):
             yield self
-        finally:
-            BaseQuantizer.quantize_weight_per_channel_impl = original
 
 
 def _copy_proto(t):
