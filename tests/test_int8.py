@@ -265,8 +265,10 @@ def _mlp_onnx(outlier_models, outlier, path):
     return path
 
 
-@pytest.mark.parametrize("external", [False, True], ids=["one-file", "external-data"])
-def test_smoothing_moves_the_outlier_into_the_weights_and_keeps_the_function(external, outlier_models, tmp_path):
+@pytest.mark.parametrize("external,threshold", [(False, None), (True, 0), (True, 8192)],
+                         ids=["one-file", "external-data", "small-weights-inline"])
+def test_smoothing_moves_the_outlier_into_the_weights_and_keeps_the_function(external, threshold, outlier_models,
+                                                                            tmp_path):
     """choose() measures α per input and smooths only where it lowers an op's own int8 error; apply()
     writes a graph computing the same outputs, its outlier channel divided down."""
     import onnx
@@ -280,7 +282,7 @@ def test_smoothing_moves_the_outlier_into_the_weights_and_keeps_the_function(ext
     if external:
         m = onnx.load(str(src))
         onnx.save(m, str(src), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location="mlp.onnx.data", size_threshold=0)
+                  location="mlp.onnx.data", size_threshold=threshold)      # 8192: the 4 and 2 KB weights inline
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal((8, 4, 16)).astype(np.float32)} for _ in range(4)]
     ops = weight_nodes(src)

@@ -221,14 +221,13 @@ def apply(src: Path, dst: Path, groups: list[SmoothGroup], external: bool) -> No
     order = [inserted[x] for x in inserted if x not in produced_here] + order
     del g.node[:]
     g.node.extend(order)
-    if not external:
-        for t in g.initializer:
-            if t.name in row_scales:
-                w = numpy_helper.to_array(t).astype(np.float32)
-                t.CopyFrom(numpy_helper.from_array(w * row_scales[t.name][:, None], t.name))
-        onnx.save(model, str(dst))
-        return
-    _stream_weights(g, src.parent, data_file(dst), row_scales)
+    from onnx.external_data_helper import uses_external_data
+    for t in g.initializer:          # weights held in the graph itself (all of them, or the small ones)
+        if t.name in row_scales and not uses_external_data(t):
+            w = numpy_helper.to_array(t).astype(np.float32)
+            t.CopyFrom(numpy_helper.from_array(w * row_scales[t.name][:, None], t.name))
+    if external:
+        _stream_weights(g, src.parent, data_file(dst), row_scales)
     onnx.save(model, str(dst))
 
 
