@@ -8,8 +8,8 @@ variant's dtype here and outputs back to float32, so callers never see fp16/bf16
 Loading stays close to the disk: every format is deserialised from its path (the zip reader pulls
 each tensor record straight into its storage), never from a bytes copy of the whole file first, so
 peak memory is one copy of the weights and the load approaches the raw read; `read` is then 0 and
-`deserialize` holds the whole load. The eager program's weights are not even copied: they are
-memory-mapped where they lie in the archive (`load_exported_program`).
+`deserialize` holds the whole load. The eager program's weights and a CPU aoti library's are not
+even copied: they are memory-mapped where they lie (`load_exported_program`, `mapped_constants`).
 """
 from __future__ import annotations
 
@@ -43,17 +43,38 @@ def set_threads(threads: Optional[int]) -> None:
 
 class AotiLibrary:
     """A CPU AOTInductor model library opened in place: what `aoti_load_package` does after it has
-    extracted the package to a temporary folder (see pipeline/variants/aoti.py), without the copy."""
+    extracted the package to a temporary folder (see pipeline/variants/aoti.py), without the copy.
+    Its weights, when they lie beside it (`weights`, indexed by `<weights>.json`), are memory-mapped
+    and handed to the library as user-managed constants: used where they lie, never copied (a
+    library holding its weights copies them into the heap at every load)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, weights: Optional[Path] = None):
         from torch.utils import _pytree as pytree
         self._unflatten = pytree.tree_unflatten
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
         self.out_spec = pytree.treespec_loads(self.runner.get_call_spec()[1])
+        self.constants = mapped_constants(weights) if weights is not None else None
+        if self.constants is not None:
+            # user_managed: the library keeps the tensors' pointers, so self.constants keeps them alive.
+            self.runner.update_constant_buffer(self.constants, False, True, True)
 
     def __call__(self, *tensors: torch.Tensor):
         # The program was exported with positional tensors only, so they are its flat inputs.
         return self._unflatten(self.runner.run(list(tensors)), self.out_spec)
+
+
+def mapped_constants(weights: Path) -> dict[str, torch.Tensor]:
+    """The tensors of an aligned weights file (pipeline/variants/aoti.py writes it) as copy-on-write
+    views of one private mapping of it."""
+    import json
+    index = json.loads(weights.with_name(weights.name + ".json").read_text())
+    whole = torch.empty(0, dtype=torch.uint8).set_(
+        torch.UntypedStorage.from_file(str(weights), shared=False, nbytes=weights.stat().st_size))
+    out = {}
+    for name, t in index.items():
+        base = whole[t["offset"]:t["offset"] + t["nbytes"]].view(getattr(torch, t["dtype"]))
+        out[name] = base.as_strided(t["shape"], t["stride"], base.storage_offset() + t["storage_offset"])
+    return out
 
 
 def load_exported_program(path: Path):
@@ -133,7 +154,8 @@ class TorchRuntime(Runtime):
             # A per-user cache makes only a host's first start pay it (the benchmark measures that one).
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "torchinductor"))
             if path.suffix == ".so":      # unpacked at build time (CPU): opened where it lies
-                self.model = AotiLibrary(path)
+                weights = variant.get("weights")    # absent: a library built with its weights inside
+                self.model = AotiLibrary(path, model_dir / weights if weights else None)
             else:
                 self.model = torch._inductor.aoti_load_package(str(path))
             t2 = time.perf_counter()

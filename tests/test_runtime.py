@@ -133,7 +133,7 @@ def test_half_torchscript_takes_and_returns_float32(tmp_path):
         rt.close()
 
 
-def _mapped_files(address: int) -> list[str]:
+def mapped_files(address: int) -> list[str]:
     """The files this process maps at `address` (Linux /proc/self/maps)."""
     found = []
     for line in Path("/proc/self/maps").read_text().splitlines():
@@ -171,8 +171,8 @@ def test_eager_program_weights_are_mapped_from_the_archive_not_copied(tmp_path):
         with torch.inference_mode():
             assert torch.equal(mapped(x), plain(x))
         weight = mapped.fc.weight
-        in_archive = str(path.resolve()) in _mapped_files(weight.data_ptr())
-        assert in_archive is (not empty), _mapped_files(weight.data_ptr())
+        in_archive = str(path.resolve()) in mapped_files(weight.data_ptr())
+        assert in_archive is (not empty), mapped_files(weight.data_ptr())
     from torch.export.pt2_archive import _package
     assert _package._build_file_map.__name__ == "_build_file_map"      # torch's own again after the load
 

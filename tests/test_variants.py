@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from handlers.runtime import load_runtime
+from pipeline.measure.cold import artifact_files
 from pipeline.checkpoint import InputSpec, LoadedModel, load_model
 from pipeline.golden import ActivationRange, Golden, GoldenBatch, write_golden
 from pipeline.variants.base import REGISTRY, Artifact, Converter, get_converter
@@ -56,7 +57,7 @@ def assert_converted(record, out_dir, golden):
     meta = json.loads((out_dir / "variant.json").read_text())
     for name in meta["files"]:
         assert (out_dir / name).is_file(), name
-    assert on_disk["artifact_bytes"] == (out_dir / meta["artifact"]).stat().st_size > 0
+    assert on_disk["artifact_bytes"] == sum(f.stat().st_size for f in artifact_files(out_dir, meta)) > 0
     # The folder is self-sufficient: the shared runtime loads it and reproduces the reference.
     rt = load_runtime(out_dir)
     out = rt.run(golden.batches[-1].feeds)
@@ -252,44 +253,69 @@ def test_a_converter_that_raises_is_recorded_and_others_still_convert(make_param
     assert record["status"] == "converted"
 
 
-def test_aoti_compiles_a_dynamic_batch_package(make_params, tmp_path):
+class _TiedMLP(nn.Module):
+    """Two layers share one weight (as tied embeddings do): the weights file keeps it once."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.mid2 = nn.Linear(16, 16)
+        self.mid2.weight = self.mid.weight
+
+    def forward(self, x):
+        return self.out(torch.relu(self.mid2(torch.relu(self.mid(torch.relu(self.inp(x)))))))
+
+
+def test_aoti_compiles_a_dynamic_batch_library_with_its_weights_mapped_apart(make_params, tmp_path):
     # The one AOTInductor test (cold compile ~25 s+): dynamic batch verified at 1, 4 and 3.
+    from handlers.runtime_torch import AotiLibrary
+    from tests.test_runtime import mapped_files
     params = make_params({"name": "m", "source": "state_dict", "checkpoint": "x.pt", "factory": "x.py:b",
                           "task": "tensor", "input_shape": [8]})
     torch.manual_seed(0)
-    loaded, golden = tensor_case(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), 8)
-    record = convert("aoti", params, loaded, golden, tmp_path / "aoti")
-    assert_converted(record, tmp_path / "aoti", golden)
+    loaded, golden = tensor_case(_TiedMLP().eval(), 8)
+    folder = tmp_path / "aoti"
+    record = convert("aoti", params, loaded, golden, folder)
+    assert_converted(record, folder, golden)
     assert record["verification"]["batch_sizes"] == [1, 3, 4]
-    variant = json.loads((tmp_path / "aoti" / "variant.json").read_text())
+    variant = json.loads((folder / "variant.json").read_text())
     assert variant["device"] == "cpu"
-    # On CPU the library ships unpacked (opened in place at load), not the package it came in.
-    assert variant["artifact"] == "aoti.so" and not (tmp_path / "aoti" / "aoti.pt2").exists()
-    runtime = load_runtime(tmp_path / "aoti")
+    # On CPU the library ships unpacked (opened in place at load), not the package it came in, and
+    # its weights apart: the library holds none, the weights file each storage once (tied kept tied).
+    assert variant["artifact"] == "aoti.so" and not (folder / "aoti.pt2").exists()
+    assert variant["weights"] == "aoti.so.weights" and {"aoti.so.weights", "aoti.so.weights.json"} <= set(variant["files"])
+    stored = {p.data_ptr(): p.numel() * 4 for p in loaded.module.parameters()}
+    # (inductor folds the 4-element bias into its kernel; a second copy of the tied weight would add 1024)
+    assert sum(stored.values()) - 16 <= (folder / "aoti.so.weights").stat().st_size < sum(stored.values()) + 1024 - 64
+    runtime = load_runtime(folder)
+    library = runtime.model
+    assert isinstance(library, AotiLibrary) and library.constants
+    mapped = [t for t in library.constants.values()]
+    assert all(str((folder / "aoti.so.weights").resolve()) in mapped_files(t.data_ptr()) for t in mapped)
     x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
     with torch.no_grad():
         expected = loaded.module(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(runtime.run({"input": x})[0], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_aoti_unpacks_only_a_package_whose_library_is_all_it_needs(tmp_path):
+def test_aoti_ships_the_library_alone_only_when_nothing_else_in_the_package_runs():
+    import io
     import zipfile
 
-    from pipeline.variants.aoti import unpack_library
+    from pipeline.variants.aoti import library_member
     model = "m/data/aotinductor/model/"
     cases = {"cpu": {model + "abc.wrapper.so": b"ELF", model + "abc.wrapper.cpp": b"src",
-                     model + "abc.wrapper_metadata.json": b"{}", "m/byteorder": b"little", "m/archive_format": b"pt2", "m/archive_version": b"1"},
+                     model + "abc.wrapper_metadata.json": b"{}", "m/byteorder": b"little", "m/archive_format": b"pt2",
+                     "m/archive_version": b"1", "m/data/weights/weight_0": b"w", model + "weights_config.json": b"{}"},
              "cuda": {model + "abc.wrapper.so": b"ELF", model + "k1.cubin": b"bin"},
-             "weights apart": {model + "abc.wrapper.so": b"ELF", "m/data/weights/w0": b"w"}}
+             "two libraries": {model + "abc.wrapper.so": b"ELF", model + "def.kernel.so": b"ELF"}}
     for name, members in cases.items():
-        package = tmp_path / f"{name}.pt2"
-        with zipfile.ZipFile(package, "w") as z:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as z:
             for member, data in members.items():
                 z.writestr(member, data)
-        dest = tmp_path / f"{name}.so"
-        assert unpack_library(package, dest) == (name == "cpu")
-        assert dest.exists() == (name == "cpu")
-    assert (tmp_path / "cpu.so").read_bytes() == b"ELF"
+        with zipfile.ZipFile(buffer) as z:
+            assert (library_member(z) == model + "abc.wrapper.so") == (name == "cpu"), name
 
 
 def test_module_copy_shares_unchanged_weights_and_converts_without_an_fp32_copy():
