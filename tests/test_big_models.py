@@ -306,6 +306,19 @@ def _reloadable(loaded):
     return reloads
 
 
+def weight_storage_refs(module) -> list:
+    """Weak references that die with the weights' storage itself, not only with the Parameter
+    objects (a converter's module_copy shares the storage under new Parameters): each weight is
+    moved onto a numpy array's memory, and the tensors on it keep that array alive."""
+    import weakref
+    refs = []
+    for p in module.parameters():
+        array = p.detach().numpy().copy()
+        p.data = torch.from_numpy(array)
+        refs.append(weakref.ref(array))
+    return refs
+
+
 def test_an_onnx_build_frees_the_torch_module_and_its_screen_timed_eager_first(tensor_params, tmp_path):
     import gc
     import weakref
@@ -315,6 +328,8 @@ def test_an_onnx_build_frees_the_torch_module_and_its_screen_timed_eager_first(t
     loaded, golden = tensor_case(wide_mlp(64, 128, 3), 64, batch_sizes=(1, 2))
     reloads = _reloadable(loaded)
     module = weakref.ref(loaded.module)
+    # and its weights: onnxscript's rewrite rules and torch.export's map kept the traced graph wrapping them
+    weights = weight_storage_refs(loaded.module)
     cls = get_converter("onnx")
     screen = make_screen(cls, tensor_params, loaded, golden, {}, "cpu")
     assert screen.eager_call is None and len(screen.eager_before) == CALLS      # timed before the build
@@ -325,6 +340,7 @@ def test_an_onnx_build_frees_the_torch_module_and_its_screen_timed_eager_first(t
     assert record["screen"]["eager_calls_s"] == [round(c, 5) for c in screen.eager_before]
     gc.collect()
     assert loaded.module is None and module() is None and reloads == []      # freed, never needed again
+    assert [w() for w in weights] == [None] * len(weights)
 
 
 def test_a_released_module_is_loaded_again_by_the_next_build(tensor_params, tmp_path):

@@ -25,7 +25,8 @@ from typing import Optional
 
 import torch
 
-from pipeline.variants.base import Artifact, BuildContext, Converter, default_input_dtypes, module_copy, register
+from pipeline.variants.base import (Artifact, BuildContext, Converter, default_input_dtypes, forget_last_export,
+                                    module_copy, register)
 
 LIBRARY = "aoti.so"
 WEIGHTS = LIBRARY + ".weights"      # named after the library: measured as part of it (pipeline/measure/cold.py)
@@ -49,15 +50,21 @@ class AotiConverter(Converter):
     family = "torch"
     dtype = "float32"
     methods = ("export-compile",)
+    releases_module = True          # after the export: the program holds the weights the compile reads
 
     def build_export_compile(self, ctx: BuildContext) -> Artifact:
         module = module_copy(ctx.module(), ctx.device)
         program = torch.export.export(module, ctx.example_inputs(None, ctx.device), dynamic_shapes=ctx.dynamic_shapes())
+        # The module would outlive the compile beside the mapped weights the screen and verification
+        # load (bert-large's build peaked at 4.4 GB with it).
+        del module
+        ctx.loaded.release_module()
         path = ctx.out_dir / "aoti.pt2"
         cpu = ctx.device == "cpu"
         torch._inductor.aoti_compile_and_package(program, package_path=str(path),
                                                  inductor_configs=CPU_INDUCTOR_CONFIGS if cpu else None)
-        del program, module
+        del program
+        forget_last_export()
         if cpu:
             unpack_cpu_package(path, ctx.out_dir / LIBRARY, ctx.out_dir / WEIGHTS)
             path.unlink()

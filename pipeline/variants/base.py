@@ -186,3 +186,31 @@ def forget_jit_types() -> None:
     torch.jit._recursive.concrete_type_store = fresh_store()
     clear_classes()
 
+
+def forget_last_export() -> None:
+    """Let go of what torch.export and the ONNX exporter keep of the last model they traced (call once
+    its program is saved or compiled). Both keep it in module-level state until the next export:
+    - torch.export's map from fake tensors to graph nodes (`_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT`,
+      cleared at the start of each trace), through the traced graph the module and its real weights;
+    - onnxscript's rewrite-rule matchers, the graph and node they last looked at (`_graph`,
+      `_current_node`, the match state, set at the start of each match), through them the exported
+      model wrapping the module's weights.
+    bert-large's aoti and ONNX builds held the weights through them after releasing the module: a
+    full copy beside the artifact the screen and verification load."""
+    try:
+        from torch.fx.experimental import proxy_tensor
+        proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT.clear()
+    except (ImportError, AttributeError):
+        pass                          # another torch: nothing known to clear (memory only)
+    import gc
+    import sys
+    if "onnxscript" not in sys.modules:
+        return
+    try:
+        from onnxscript.rewriter import _basics, _matcher
+    except ImportError:
+        return
+    for obj in gc.get_objects():
+        if isinstance(obj, _matcher.SimplePatternMatcher):
+            obj._current_node = obj._graph = obj._tracer = None
+            obj._match = _basics.MatchResult()

@@ -32,7 +32,7 @@ import torch
 from handlers.runtime_onnx import check_providers_active, choose_providers
 from pipeline.params import Params
 from pipeline.plan import emulated_dtype_note
-from pipeline.variants.base import Artifact, BuildContext, Converter, register
+from pipeline.variants.base import Artifact, BuildContext, Converter, forget_last_export, register
 from pipeline.variants.export_cache import cached_export, export_key
 from pipeline.variants.prepack import PREPACKED_GRAPH, prepack
 from pipeline.weights import module_bytes
@@ -138,6 +138,7 @@ class OnnxConverter(Converter):
                 torch.onnx.export(ctx.module(), args, str(path), dynamo=False, input_names=names_in,
                                   output_names=list(loaded.outputs), dynamic_axes=axes,
                                   opset_version=self.options.opset)
+        forget_last_export()
         if external:
             if not data_file(path).exists():
                 # One data file whatever the exporter wrote (the legacy one scatters a file per tensor).
