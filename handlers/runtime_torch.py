@@ -63,9 +63,23 @@ class AotiLibrary:
         return self._unflatten(self.runner.run(list(tensors)), self.out_spec)
 
 
+# torch's binding of update_constant_buffer makes a tensor handle per constant and, when the library
+# does not own them (user_managed), never frees them: the mapping outlives the library. One mapping
+# per file and process, shared by every library opened on it (the build's screen and verification).
+_MAPPED: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
 def mapped_constants(weights: Path) -> dict[str, torch.Tensor]:
     """The tensors of an aligned weights file (pipeline/variants/aoti.py writes it) as copy-on-write
-    views of one private mapping of it."""
+    views of one private mapping of it (the same views again for the same unchanged file)."""
+    st = weights.stat()
+    key = (str(weights.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _MAPPED:
+        _MAPPED[key] = _map_constants(weights)
+    return _MAPPED[key]
+
+
+def _map_constants(weights: Path) -> dict[str, torch.Tensor]:
     import json
     index = json.loads(weights.with_name(weights.name + ".json").read_text())
     whole = torch.empty(0, dtype=torch.uint8).set_(
