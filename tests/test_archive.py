@@ -200,6 +200,24 @@ def test_archive_loads_in_torchserve_loader_and_matches_baseline(tmp_path, tenso
     np.testing.assert_allclose(got_base["out"][0], got["out"][0], atol=1e-5)
 
 
+def test_an_aoti_archive_carries_its_weights_file_and_maps_it_where_unpacked(tmp_path, tensor_build):
+    """A CPU aoti variant's weights live beside its library: the .mar packs both, and the packed
+    handler, self-contained, maps them from the unpacked model folder (TorchServe's own loader)."""
+    from tests.test_variants import convert, tensor_case
+    params, inputs = tensor_build
+    loaded, golden = tensor_case(load_model(params).module, tuple(params.model.input_shape))
+    record = convert("aoti", params, loaded, golden, inputs["variants_dir"] / "aoti")
+    assert record["status"] == "converted", record["reason"]
+    mar = build_archive(params, export_dir=tmp_path / "store", variant_name="aoti", **inputs).path
+    assert {"aoti.so", "aoti.so.weights", "aoti.so.weights.json"} <= set(archive_contents(mar))
+    body, x = tensor_request(params)
+    got = load_and_predict(unpack(mar, tmp_path / "opt"), [(body, "application/json"), ("{oops", "application/json")])
+    assert got["status"] == [200, 400] and not got["pipeline_imported"]
+    with torch.no_grad():
+        want = loaded.module(torch.from_numpy(x)[None])[0].numpy()
+    np.testing.assert_allclose(got["out"][0], want, atol=1e-5)
+
+
 def test_text_baseline_from_hf_folder(tmp_path, text_params):
     """hf source: AutoModel.from_pretrained on the packed folder + the pooling modules.json defines,
     answered in the optimised handler's format."""

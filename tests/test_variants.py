@@ -22,16 +22,18 @@ FAST_VARIANTS = ["eager", "torchscript", "fp16", "bf16", "onnx", "onnx-fp16"]
 
 
 # --------------------------------------------------------------------------- helpers
-def tensor_case(module: nn.Module, features: int, batch_sizes=(1, 4, 3), seed: int = 0):
-    """A LoadedModel + golden set (reference = the eager module) for a one-input tensor model."""
+def tensor_case(module: nn.Module, features: int | tuple[int, ...], batch_sizes=(1, 4, 3), seed: int = 0):
+    """A LoadedModel + golden set (reference = the eager module) for a one-input tensor model
+    (`features`: the sample's size, or its shape)."""
+    shape = (features,) if isinstance(features, int) else tuple(features)
     module = module.eval().requires_grad_(False)
     loaded = LoadedModel(module=module, inputs=[InputSpec("input", "float32", {0: "batch"})],
-                         outputs=["output"], task={"kind": "tensor", "input_shape": [features]})
+                         outputs=["output"], task={"kind": "tensor", "input_shape": list(shape)})
     rng = np.random.default_rng(seed)
     batches = []
     activations = ActivationRange(module)      # recorded as write_golden does
     for i, b in enumerate(batch_sizes):
-        x = rng.standard_normal((b, features)).astype(np.float32)
+        x = rng.standard_normal((b, *shape)).astype(np.float32)
         with torch.inference_mode(), activations:
             y = module(torch.from_numpy(x)).numpy()
         batches.append(GoldenBatch(f"batch_{i}.npz", b, {"input": x}, [y]))
