@@ -54,7 +54,7 @@ class AotiLibrary:
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
         self.out_spec = pytree.treespec_loads(self.runner.get_call_spec()[1])
         self.constants = mapped_constants(weights) if weights is not None else None
-        if self.constants is not None:
+        if self.constants:
             # user_managed: the library keeps the tensors' pointers, so self.constants keeps them alive.
             self.runner.update_constant_buffer(self.constants, False, True, True)
 
@@ -82,6 +82,8 @@ def mapped_constants(weights: Path) -> dict[str, torch.Tensor]:
 def _map_constants(weights: Path) -> dict[str, torch.Tensor]:
     import json
     index = json.loads(weights.with_name(weights.name + ".json").read_text())
+    if not index:
+        return {}                     # a model without weights: an empty file cannot be mapped
     whole = torch.empty(0, dtype=torch.uint8).set_(
         torch.UntypedStorage.from_file(str(weights), shared=False, nbytes=weights.stat().st_size))
     out = {}

@@ -89,9 +89,9 @@ def unpack_cpu_package(package_path: Path, library: Path, weights: Path) -> None
     with zipfile.ZipFile(package_path) as z:
         member = library_member(z)
         if member is None:
-            raise AotiBuildError(f"the AOTInductor package holds more than one model library and its weights "
-                                 f"({sorted(z.namelist())}); this torch ({torch.__version__}) packs CPU builds "
-                                 f"differently than the pipeline expects")
+            raise AotiBuildError(f"the AOTInductor package needs more than one model library and its weights "
+                                 f"to run ({sorted(z.namelist())}): this torch ({torch.__version__}) packs CPU "
+                                 f"builds differently than the pipeline expects")
         with z.open(member) as src, open(library, "wb") as out:
             shutil.copyfileobj(src, out, 16 * 2**20)
         configs = [n for n in z.namelist() if n.startswith(member.rsplit("/", 1)[0] + "/")
