@@ -34,6 +34,7 @@ from pipeline.params import Params
 from pipeline.plan import emulated_dtype_note
 from pipeline.variants.base import Artifact, BuildContext, Converter, forget_last_export, register
 from pipeline.variants.export_cache import cached_export, export_key
+from pipeline.variants.fusion import fuse_attention
 from pipeline.variants.prepack import PREPACKED_GRAPH, prepack
 from pipeline.weights import module_bytes
 
@@ -59,6 +60,7 @@ class OnnxConverter(Converter):
         graph_optimization: str = "extended"   # ORT level baked into the artifact: basic | extended
         external_data_min_bytes: int = 256 * 10**6   # fp32 weights from this size on: tensors in model.onnx.data
         prepack: bool = True                   # conversion.onnx_prepack: ship ORT's packed weights (CPU)
+        fusions: bool = True                   # conversion.onnx_fusions: attention fused before ORT optimises
 
     @classmethod
     def host_unsuitable(cls, env: dict) -> Optional[str]:
@@ -68,7 +70,7 @@ class OnnxConverter(Converter):
     def from_params(cls, params: Params) -> "OnnxConverter":
         return cls(cls.Options(opset=params.conversion.onnx_opset,
                                external_data_min_bytes=int(params.conversion.onnx_external_data_mb * 10**6),
-                               prepack=params.conversion.onnx_prepack))
+                               prepack=params.conversion.onnx_prepack, fusions=params.conversion.onnx_fusions))
 
     def build_dynamo(self, ctx: BuildContext) -> Artifact:
         return self._build(ctx, dynamo=True)
@@ -95,6 +97,7 @@ class OnnxConverter(Converter):
             del module
             if ctx.loaded.release_module():
                 log.info("%s: torch module released after the export (the ONNX steps use the graph)", self.name)
+            fusion = self._fuse(ctx, raw)
             self._transform(raw)
             external = self._optimize(ctx, raw, final)     # the artifact's own form (int8 decides by its size)
         finally:
@@ -107,7 +110,7 @@ class OnnxConverter(Converter):
             raise RuntimeError(f"ONNX Runtime did not write the external data file {data} beside {final.name}")
         extra = {"graph_optimized": True, "graph_optimization": self.options.graph_optimization,
                  "opset": self.options.opset, "exporter": "dynamo" if dynamo else "legacy", "export": export,
-                 "external_data": [data] if external else []}
+                 "fusion": fusion, "external_data": [data] if external else []}
         if packed:
             extra["prepacked"] = packed
         return Artifact(ARTIFACT, "onnx", inputs, extra=extra,
@@ -147,6 +150,14 @@ class OnnxConverter(Converter):
             raise RuntimeError(f"the exporter wrote external data beside {path.name} for a model under "
                                f"{self.options.external_data_min_bytes} bytes of weights")
 
+    def _fuse(self, ctx: BuildContext, raw: Path) -> dict:
+        if not self.options.fusions:
+            return {"applied": False, "reason": "conversion.onnx_fusions is off"}
+        batches = sorted(ctx.golden.batches, key=lambda b: b.batch_size)
+        feeds = [b.feeds for b in {id(b): b for b in (batches[-1], batches[0])}.values()]
+        data = data_file(raw)
+        return fuse_attention(raw, data.name if data.exists() else None, feeds)
+
     def _transform(self, path: Path) -> None:
         """Hook for subclasses (fp16); the fp32 variant keeps the exported graph."""
 
@@ -182,6 +193,14 @@ class OnnxConverter(Converter):
 class OnnxFloat16Converter(OnnxConverter):
     name = "onnx-fp16"
     dtype = "float16"
+
+    def _fuse(self, ctx: BuildContext, raw: Path) -> dict:
+        if not self.options.fusions:
+            return {"applied": False, "reason": "conversion.onnx_fusions is off"}
+        batches = sorted(ctx.golden.batches, key=lambda b: b.batch_size)
+        feeds = [b.feeds for b in {id(b): b for b in (batches[-1], batches[0])}.values()]
+        data = data_file(raw)
+        return fuse_attention(raw, data.name if data.exists() else None, feeds)
 
     def _transform(self, path: Path) -> None:
         from onnxruntime.transformers.float16 import convert_float_to_float16

@@ -1,0 +1,134 @@
+"""Attention fusion on the exported ONNX graph, before ONNX Runtime optimises it (`conversion.onnx_fusions`).
+
+ORT's session optimiser fuses LayerNorm, SkipLayerNorm and BiasGelu on our dynamo-exported graphs but
+not attention: its attention patterns are the TorchScript exporter's. Left unfused, each layer's
+attention is ~25 nodes (Reshape/Transpose per head split, MatMul, scale, mask Add, Softmax, MatMul,
+Transpose/Reshape back). onnxscript, the dynamo exporter's own library, carries rewrite rules for the
+dynamo graph's forms; this module applies the ones that end in ORT's MultiHeadAttention contrib op:
+erf-Gelu → Gelu, scaled-dot-product attention → SDPA → MultiHeadAttention with the Q/K/V biases.
+Measured on a bert-large-shaped model, int8 dynamic, pre-packed, this host: 953 → 303 nodes, session
+creation 190 → 147 ms (graph setup 68 → 30 ms), batch-4 call 572 → 540 ms; outputs equal within 1e-7
+in fp32.
+
+The Q/K/V projections stay three MatMuls (ORT's packed-QKV `Attention` op is not formed): int8
+smoothing and quantization then see exactly the MatMuls they see without fusion, and the packed form
+measured no faster here.
+
+Every rewrite is checked, not trusted: the fused graph must give the unfused graph's outputs on golden
+batches (the largest and the smallest, so a batch dimension fixed by a rule shows) within
+ATOL/RTOL, or the export is kept as it was and the record says why. The variant's own verification
+then judges the artifact as for any build.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+ATOL, RTOL = 1e-4, 1e-3        # fp32 graph against fp32 graph: a reordered softmax differs by ~1e-7
+FUSED_OPS = ("MultiHeadAttention", "Gelu")
+
+
+def _rules():
+    """(name, function, kwargs) in the order onnxscript's own optimize_for_ort applies them."""
+    from onnxscript.rewriter.ort_fusions.erfgelu import fuse_erfgelu
+    from onnxscript.rewriter.ort_fusions.mha import fuse_mha1, fuse_mha2
+    from onnxscript.rewriter.ort_fusions.mha_bias import fuse_mha_bias
+    from onnxscript.rewriter.ort_fusions.mha_scale import fuse_mha_scale
+    from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa
+    return (("erf_gelu", fuse_erfgelu, {}),
+            ("sdpa", fuse_sdpa, {"apply_shape_inference": True}),   # its rules add nodes shape inference types
+            ("mha1", fuse_mha1, {}), ("mha2", fuse_mha2, {}), ("mha_scale", fuse_mha_scale, {}),
+            ("mha_bias", fuse_mha_bias, {}))
+
+
+def _fused_model(path: Path):
+    """The graph at `path` with the rules applied (weights stay in their file, read lazily) and
+    the count of each rule's rewrites."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common_passes
+    from onnxscript.optimizer import optimize
+    from onnxscript.rewriter.ort_fusions import shape_optimization
+
+    model = ir.load(str(path))
+    before = sum(1 for _ in model.graph)
+    # onnxscript's pre-pass: shapes typed and constant shape arithmetic folded, so the patterns see
+    # the dynamo graph's attention as one form whatever the model's sizes.
+    common_passes.ShapeInferencePass()(model)
+    optimize(model)
+    shape_optimization.rules.apply_to_model(model)
+    optimize(model)
+    counts = {name: int(rule(model, **kwargs)) for name, rule, kwargs in _rules()}
+    optimize(model)       # intermediate functions the later rules did not consume are inlined again
+    return model, counts, before
+
+
+def _outputs(path: Path, feeds: list[dict]) -> list[list[np.ndarray]]:
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    so.add_session_config_entry("session.disable_prepacking", "1")   # a few calls: no packed copy of the weights
+    session = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+    names = {i.name for i in session.get_inputs()}
+    return [session.run(None, {k: v for k, v in f.items() if k in names}) for f in feeds]
+
+
+def _mismatch(ref: list[list[np.ndarray]], got: list[list[np.ndarray]], atol: float, rtol: float) -> Optional[str]:
+    for b, (r_outs, g_outs) in enumerate(zip(ref, got)):
+        for o, (r, g) in enumerate(zip(r_outs, g_outs)):
+            if r.shape != g.shape:
+                return f"batch {b} output {o}: shape {g.shape} where the unfused graph gives {r.shape}"
+            if not np.allclose(g, r, atol=atol, rtol=rtol):
+                return (f"batch {b} output {o}: max |difference| {float(np.max(np.abs(g - r))):.3g} "
+                        f"beyond atol {atol:g} + rtol {rtol:g}")
+    return None
+
+
+def fuse_attention(raw: Path, data_name: Optional[str], feeds: list[dict],
+                   atol: float = ATOL, rtol: float = RTOL) -> dict:
+    """Rewrite the export `raw` (its tensors in `data_name` beside it, or inside) with the fused
+    attention when the rules match and the outputs hold; → variant.json's "fusion" record."""
+    t0 = time.perf_counter()
+    record: dict = {"applied": False}
+    work = raw.parent / "fused"            # the same names as the export's, so references stay valid
+    work.mkdir(exist_ok=True)
+    fused = work / raw.name
+    try:
+        try:
+            model, counts, before = _fused_model(raw)
+        except Exception as e:      # a rule that fails on an unusual graph must not cost the variant
+            record["reason"] = f"onnxscript's rewrite failed: {type(e).__name__}: {e}"
+            return record
+        record["rewrites"] = {k: v for k, v in counts.items() if v}
+        if not any(n.op_type in FUSED_OPS and n.domain == "com.microsoft" for n in model.graph):
+            record["reason"] = "no attention or Gelu pattern of the dynamo exporter's in this graph"
+            return record
+        import onnx_ir as ir
+        record["nodes"] = [before, sum(1 for _ in model.graph)]
+        ir.save(model, str(fused), external_data=data_name)
+        del model
+        why = _mismatch(_outputs(raw, feeds), _outputs(fused, feeds), atol, rtol)
+        if why:
+            record["reason"] = f"the fused graph's outputs differ from the export's ({why}); the export is kept"
+            log.warning("attention fusion not applied: %s", record["reason"])
+            return record
+        if data_name:
+            os.replace(work / data_name, raw.with_name(data_name))
+        os.replace(fused, raw)
+        record["applied"] = True
+        return record
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        record["seconds"] = round(time.perf_counter() - t0, 2)
+        if record["applied"]:
+            log.info("attention fused: %s, %d → %d nodes, in %.1f s", record["rewrites"], *record["nodes"],
+                     record["seconds"])
+
