@@ -9,7 +9,9 @@ limit on purpose: ORT memory-maps external data, and a 268 MB model loaded in 0.
 peak RSS that way against 1.63 s and 815 MB from one file (bytes parsed, tensors copied). The variant lists that file in variant.json ("files",
 "external_data"), so verification, the archive and the ONNX handler treat it as part of the model;
 ONNX Runtime resolves it relative to model.onnx, so the runtime loads the model by its path.
-The graph is then optimised by ONNX Runtime itself at the EXTENDED level (operator fusions; not the
+Text transformers then get their attention fused into ORT's MultiHeadAttention (onnxscript's rules
+for the dynamo graph, `conversion.onnx_fusions`, pipeline/variants/fusion.py), kept only when the
+fused graph gives the export's outputs. The graph is then optimised by ONNX Runtime itself at the EXTENDED level (operator fusions; not the
 ALL level, whose NCHWc layout rewrites tie the file to one CPU's instruction set) for the target
 device's execution provider, and that optimised graph is the artifact: sessions load it with
 optimisation off (faster start, measured.md). fp16: onnxruntime's float16 converter with
@@ -151,6 +153,7 @@ class OnnxConverter(Converter):
                                f"{self.options.external_data_min_bytes} bytes of weights")
 
     def _fuse(self, ctx: BuildContext, raw: Path) -> dict:
+        """Attention fused in the fp32 export, checked on the largest and the smallest golden batch."""
         if not self.options.fusions:
             return {"applied": False, "reason": "conversion.onnx_fusions is off"}
         batches = sorted(ctx.golden.batches, key=lambda b: b.batch_size)
@@ -193,14 +196,6 @@ class OnnxConverter(Converter):
 class OnnxFloat16Converter(OnnxConverter):
     name = "onnx-fp16"
     dtype = "float16"
-
-    def _fuse(self, ctx: BuildContext, raw: Path) -> dict:
-        if not self.options.fusions:
-            return {"applied": False, "reason": "conversion.onnx_fusions is off"}
-        batches = sorted(ctx.golden.batches, key=lambda b: b.batch_size)
-        feeds = [b.feeds for b in {id(b): b for b in (batches[-1], batches[0])}.values()]
-        data = data_file(raw)
-        return fuse_attention(raw, data.name if data.exists() else None, feeds)
 
     def _transform(self, path: Path) -> None:
         from onnxruntime.transformers.float16 import convert_float_to_float16
