@@ -56,3 +56,40 @@ def test_bytes_that_stay_cached_are_reported_not_timed(tmp_path):
         disk = measure_from_disk([f], lambda: (_ for _ in ()).throw(AssertionError("must not start")))
     assert disk.reason and "stayed in memory" in disk.reason
     assert disk.as_dict() == {"measured": False, "reason": disk.reason, "resident_after_drop": disk.resident_share}
+
+
+def test_prefetch_reads_a_file_that_is_not_in_memory_and_leaves_one_that_is(tmp_path):
+    from handlers.prefetch import Prefetch
+    cold, warm = _written(tmp_path / "cold.bin"), _written(tmp_path / "warm.bin", 2)
+    warm.read_bytes()
+    assert pagecache.evict([cold]) <= MAX_RESIDENT_FOR_DISK
+    with Prefetch([cold, warm]) as ahead:
+        pass                                   # leaving the block waits for the background read
+    assert ahead.bytes == 4 * 2**20            # the cold file only
+    assert pagecache.resident_share([cold]) > 0.95
+    with Prefetch([cold, warm]) as again:
+        pass
+    assert again.bytes == 0
+
+
+def test_an_external_data_onnx_session_reads_its_data_ahead_only_from_disk(make_params, tmp_path):
+    import torch
+    from torch import nn
+
+    from handlers.runtime import load_runtime
+    from tests.test_variants import convert, tensor_case
+    params = make_params({"name": "m", "source": "state_dict", "checkpoint": "x.pt", "factory": "x.py:b",
+                          "task": "tensor", "input_shape": [64]}, conversion={"onnx_external_data_mb": 0})
+    torch.manual_seed(0)
+    loaded, golden = tensor_case(nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8)), 64)
+    out = tmp_path / "onnx"
+    assert convert("onnx", params, loaded, golden, out)["status"] == "converted"
+    data = out / "model.onnx.data"
+    assert data.is_file()
+    feeds = golden.batches[0].feeds
+    want = load_runtime(out).run(feeds)[0]
+    assert pagecache.evict([data]) <= MAX_RESIDENT_FOR_DISK
+    runtime = load_runtime(out)
+    assert runtime.prefetched_bytes == data.stat().st_size
+    assert (runtime.run(feeds)[0] == want).all()
+    assert load_runtime(out).prefetched_bytes == 0      # now in memory: nothing read twice
