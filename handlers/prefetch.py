@@ -56,35 +56,7 @@ def resident_bytes(path: Path) -> int:
             vec = (ctypes.c_ubyte * pages)()
             if lib.mincore(addr, size, vec) != 0:
                 raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
-            return min(size, (pages - bytes(vec).count(0)) * mmap.PAGESIZE)   # Linux sets bit 0 only
-        finally:
-            lib.munmap(addr, size)
-    finally:
-        os.close(fd)
-
-
-def sampled_resident_share(path: Path, samples: int = 256) -> float:
-    """Share of `path` in the page cache, estimated from `samples` pages spread evenly over it:
-    mincore over a whole 1.3 GB file takes ~27 ms, which every load from memory would pay."""
-    size = os.path.getsize(path)
-    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-    if pages == 0:
-        return 1.0
-    lib = libc()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = lib.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-        try:
-            picked = sorted({i * pages // min(samples, pages) for i in range(min(samples, pages))})
-            bit = (ctypes.c_ubyte * 1)()
-            hits = 0
-            for page in picked:
-                if lib.mincore(addr + page * mmap.PAGESIZE, mmap.PAGESIZE, bit) != 0:
-                    raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
-                hits += bit[0] & 1
-            return hits / len(picked)
+            return min(size, sum(b & 1 for b in vec) * mmap.PAGESIZE)
         finally:
             lib.munmap(addr, size)
     finally:
@@ -111,7 +83,7 @@ class Prefetch:
 
     def __enter__(self) -> "Prefetch":
         try:
-            cold = [p for p in self.paths if sampled_resident_share(p) < RESIDENT_ENOUGH]
+            cold = [p for p in self.paths if resident_bytes(p) < RESIDENT_ENOUGH * os.path.getsize(p)]
         except (OSError, AttributeError):          # no mincore here: read nothing rather than guess
             cold = []
         if cold:

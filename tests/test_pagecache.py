@@ -59,11 +59,10 @@ def test_bytes_that_stay_cached_are_reported_not_timed(tmp_path):
 
 
 def test_prefetch_reads_a_file_that_is_not_in_memory_and_leaves_one_that_is(tmp_path):
-    from handlers.prefetch import Prefetch, sampled_resident_share
+    from handlers.prefetch import Prefetch
     cold, warm = _written(tmp_path / "cold.bin"), _written(tmp_path / "warm.bin", 2)
     warm.read_bytes()
     assert pagecache.evict([cold]) <= MAX_RESIDENT_FOR_DISK
-    assert sampled_resident_share(cold) <= MAX_RESIDENT_FOR_DISK and sampled_resident_share(warm) > 0.95
     with Prefetch([cold, warm]) as ahead:
         pass                                   # leaving the block waits for the background read
     assert ahead.bytes == 4 * 2**20            # the cold file only
