@@ -8,9 +8,6 @@ model.onnx.data). ONNX Runtime resolves those relative to the model file, so suc
 loaded by its path inside the model directory and ORT reads (memory-maps on CPU) the data itself;
 a one-file model is read as bytes first, which times the raw read separately.
 
-A data file not yet in memory is read sequentially in a background thread while the session is
-created (handlers/prefetch.py): from disk, faster than the page faults ORT's mapping takes otherwise.
-
 Pre-packed weights (variant.json "prepacked"): on CPU, ORT re-lays every MatMul/Gemm weight out
 for its kernels (MLAS "pre-packing") at each session creation — for a big model most of the load.
 A variant may ship that layout, computed once at build time, in its data file beside the original
@@ -34,10 +31,8 @@ import numpy as np
 import onnxruntime as ort
 
 try:
-    from .prefetch import Prefetch
     from .runtime import Runtime, RuntimeLoadError, artifact_path, read_artifact
 except ImportError:  # imported as a top-level module (folder on sys.path)
-    from prefetch import Prefetch
     from runtime import Runtime, RuntimeLoadError, artifact_path, read_artifact
 
 CPU_EP = "CPUExecutionProvider"
@@ -143,14 +138,9 @@ class OnnxSessionRuntime(Runtime):
         self.prepacked = bool(variant.get("prepacked")) and device == "cpu" and self.prepack_note is None
         t1 = time.perf_counter()
         self.requested_providers = choose_providers(device, ort.get_available_providers(), tensorrt)
-        # ORT maps external data and reads it by page faults; from a disk, a sequential read beside
-        # the session creation is faster (handlers/prefetch.py). Bytes as `source` are already read.
-        data = [model_dir / name for name in variant.get("external_data") or []] if isinstance(source, str) else []
-        with Prefetch(data) as ahead:
-            self.session = ort.InferenceSession(
-                source, sess_options=session_options(threads, bool(variant.get("graph_optimized", False))),
-                providers=self.requested_providers)
-        self.prefetched_bytes = ahead.bytes
+        self.session = ort.InferenceSession(
+            source, sess_options=session_options(threads, bool(variant.get("graph_optimized", False))),
+            providers=self.requested_providers)
         self.provider = check_providers_active(device, self.requested_providers, self.session.get_providers())
         t2 = time.perf_counter()
         self.load_phases.update(read=t1 - t0, deserialize=t2 - t1, to_device=0.0)

@@ -229,8 +229,6 @@ class ServingHandler(ABC):
         # Weights pre-packed at build time are used only on a host that packs alike (runtime_onnx).
         packed = ("" if not self.variant.get("prepacked") else
                   " prepacked=" + ("yes" if getattr(self.runtime, "prepacked", False) else "no"))
-        ahead = getattr(self.runtime, "prefetched_bytes", 0)
-        packed += f" read_ahead={ahead / 1e6:.0f}MB" if ahead else ""
         log.info("[load] variant=%s family=%s format=%s dtype=%s device=%s threads=%s%s: %s",
                  self.variant.get("variant"), self.variant["family"], self.variant.get("format"),
                  self.variant.get("dtype"), self.device, self.settings["threads"] or "runtime default", packed,

@@ -157,8 +157,7 @@ def test_archive_reproducible_and_provenance(tmp_path, tensor_build):
     contents = archive_contents(first.path)
     expected_names = {"variant.json", "model.pt", "torch_handler.py", "model-config.yaml", "provenance.json",
                       "handlers/__init__.py", "handlers/serving.py", "handlers/tasks.py", "handlers/runtime.py",
-                      "handlers/runtime_torch.py", "handlers/runtime_onnx.py", "handlers/prefetch.py",
-                      "MAR-INF/MANIFEST.json"}
+                      "handlers/runtime_torch.py", "handlers/runtime_onnx.py", "MAR-INF/MANIFEST.json"}
     assert set(contents) == expected_names
     prov = json.loads(contents["provenance.json"])
     # sha256 of every other file in the archive, checked against the bytes actually packed.

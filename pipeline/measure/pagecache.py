@@ -7,11 +7,28 @@ benchmark measures both, and this module is how it gets the first one on demand.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
 import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from handlers.prefetch import libc, resident_bytes
+_PROT_READ, _MAP_SHARED = 0x1, 0x01
+_libc = None
+
+
+def _c():
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long)
+        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+        _libc = libc
+    return _libc
 
 
 def supported() -> Optional[str]:
@@ -19,10 +36,33 @@ def supported() -> Optional[str]:
     if not hasattr(os, "posix_fadvise"):
         return "this OS has no posix_fadvise (the page cache cannot be dropped per file)"
     try:
-        getattr(libc(), "mincore")
+        getattr(_c(), "mincore")
     except (OSError, AttributeError) as e:
         return f"mincore is not available here ({e})"
     return None
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of `path` now in the page cache (whole pages, capped at the file's size)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    libc = _c()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * pages)()
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+            return min(size, sum(b & 1 for b in vec) * mmap.PAGESIZE)
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
 
 
 def resident_share(paths: Sequence[Path]) -> float:
