@@ -15,7 +15,7 @@ from torch import nn
 from pipeline.checkpoint import load_model
 from pipeline.golden import write_golden
 from pipeline.variants.base import BuildContext
-from pipeline.variants.fusion import fuse_attention
+from pipeline.variants.fusion import check_feeds, fuse_attention
 from pipeline.variants.onnx import OnnxConverter, data_file
 from tests.test_variants import assert_converted, convert, tensor_case
 
@@ -26,11 +26,6 @@ def _export(loaded, golden, folder, external=False):
     raw = folder / "raw.onnx"
     OnnxConverter()._export(BuildContext(loaded, golden, folder, "cpu"), raw, dynamo=True, external=external)
     return raw
-
-
-def _feeds(golden):
-    batches = sorted(golden.batches, key=lambda b: b.batch_size)
-    return [batches[-1].feeds, batches[0].feeds]
 
 
 def _ops(path):
@@ -63,7 +58,7 @@ def test_attention_is_fused_and_computes_what_the_export_does(external, text_cas
     _, loaded, golden = text_case
     raw = _export(loaded, golden, tmp_path / "export", external=external)
     assert data_file(raw).exists() == external
-    feeds = _feeds(golden)
+    feeds = check_feeds(golden)
     assert (feeds[0]["attention_mask"] == 0).any()       # padded rows: the mask goes through the fused op
     before, ops_before = _run(raw, feeds), _ops(raw)
     assert ("com.microsoft", "MultiHeadAttention") not in ops_before
@@ -85,7 +80,7 @@ def test_a_fused_graph_that_differs_keeps_the_export_and_says_why(text_case, tmp
     files = [raw, data_file(raw)]
     digests = _digest(*files)
     # A negative tolerance no output can meet: the check's verdict, not the rules, decides.
-    record = fuse_attention(raw, data_file(raw).name, _feeds(golden), atol=-1.0, rtol=0.0)
+    record = fuse_attention(raw, data_file(raw).name, check_feeds(golden), atol=-1.0, rtol=0.0)
     assert not record["applied"]
     assert "outputs differ from the export's" in record["reason"] and "max |difference|" in record["reason"]
     assert _digest(*files) == digests
@@ -97,7 +92,7 @@ def test_a_model_without_attention_is_left_as_exported(tmp_path):
     loaded, golden = tensor_case(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), 8)
     raw = _export(loaded, golden, tmp_path / "export")
     digest = _digest(raw)
-    record = fuse_attention(raw, None, _feeds(golden))
+    record = fuse_attention(raw, None, check_feeds(golden))
     assert not record["applied"] and "no attention" in record["reason"]
     assert _digest(raw) == digest
 

@@ -92,6 +92,13 @@ def _mismatch(ref: list[list[np.ndarray]], got: list[list[np.ndarray]], atol: fl
     return None
 
 
+def check_feeds(golden) -> list[dict]:
+    """The golden batches the fused graph is checked on: the largest and the smallest (a batch
+    dimension a rule fixed shows at one of them)."""
+    batches = sorted(golden.batches, key=lambda b: b.batch_size)
+    return [b.feeds for b in ([batches[-1]] if len(batches) == 1 else [batches[-1], batches[0]])]
+
+
 def fuse_attention(raw: Path, data_name: Optional[str], feeds: list[dict],
                    atol: float = ATOL, rtol: float = RTOL) -> dict:
     """Rewrite the export `raw` (its tensors in `data_name` beside it, or inside) with the fused

@@ -11,9 +11,10 @@ peak RSS that way against 1.63 s and 815 MB from one file (bytes parsed, tensors
 ONNX Runtime resolves it relative to model.onnx, so the runtime loads the model by its path.
 Text transformers then get their attention fused into ORT's MultiHeadAttention (onnxscript's rules
 for the dynamo graph, `conversion.onnx_fusions`, pipeline/variants/fusion.py), kept only when the
-fused graph gives the export's outputs. The graph is then optimised by ONNX Runtime itself at the EXTENDED level (operator fusions; not the
-ALL level, whose NCHWc layout rewrites tie the file to one CPU's instruction set) for the target
-device's execution provider, and that optimised graph is the artifact: sessions load it with
+fused graph gives the export's outputs. The graph is then optimised by ONNX Runtime itself at the
+EXTENDED level (operator fusions; not the ALL level, whose NCHWc layout rewrites tie the file to one
+CPU's instruction set) for the target device's execution provider, and that optimised graph is the
+artifact: sessions load it with
 optimisation off (faster start, measured.md). fp16: onnxruntime's float16 converter with
 `keep_io_types=True`, so the artifact still takes and returns float32.
 On CPU a variant with external data also ships ORT's pre-packed weight layout for this host
@@ -36,7 +37,7 @@ from pipeline.params import Params
 from pipeline.plan import emulated_dtype_note
 from pipeline.variants.base import Artifact, BuildContext, Converter, forget_last_export, register
 from pipeline.variants.export_cache import cached_export, export_key
-from pipeline.variants.fusion import fuse_attention
+from pipeline.variants.fusion import check_feeds, fuse_attention
 from pipeline.variants.prepack import PREPACKED_GRAPH, prepack
 from pipeline.weights import module_bytes
 
@@ -156,10 +157,8 @@ class OnnxConverter(Converter):
         """Attention fused in the fp32 export, checked on the largest and the smallest golden batch."""
         if not self.options.fusions:
             return {"applied": False, "reason": "conversion.onnx_fusions is off"}
-        batches = sorted(ctx.golden.batches, key=lambda b: b.batch_size)
-        feeds = [b.feeds for b in {id(b): b for b in (batches[-1], batches[0])}.values()]
         data = data_file(raw)
-        return fuse_attention(raw, data.name if data.exists() else None, feeds)
+        return fuse_attention(raw, data.name if data.exists() else None, check_feeds(ctx.golden))
 
     def _transform(self, path: Path) -> None:
         """Hook for subclasses (fp16); the fp32 variant keeps the exported graph."""
