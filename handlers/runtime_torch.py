@@ -43,7 +43,7 @@ def set_threads(threads: Optional[int]) -> None:
 
 class AotiLibrary:
     """A CPU AOTInductor model library opened in place: what `aoti_load_package` does after it has
-    extracted the package to a temporary folder (see pipeline/variants/aoti.py), without the copy.
+    extracted the package to a temporary folder (see pipeline/build/variants/aoti.py), without the copy.
     Its weights, when they lie beside it (`weights`, indexed by `<weights>.json`), are memory-mapped
     and handed to the library as user-managed constants: used where they lie, never copied (a
     library holding its weights copies them into the heap at every load)."""
@@ -70,7 +70,7 @@ _MAPPED: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
 def mapped_constants(weights: Path) -> dict[str, torch.Tensor]:
-    """The tensors of an aligned weights file (pipeline/variants/aoti.py writes it) as copy-on-write
+    """The tensors of an aligned weights file (pipeline/build/variants/aoti.py writes it) as copy-on-write
     views of one private mapping of it (the same views again for the same unchanged file)."""
     st = weights.stat()
     key = (str(weights.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)

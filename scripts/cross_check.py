@@ -60,12 +60,12 @@ def harness_figure(variant: str, vdir: Path, path: Path, batch_size: int, fresh:
 
 
 def _device(params) -> str:
-    from pipeline.paths import ENV_JSON
+    from pipeline.core.paths import ENV_JSON
     if params.benchmark.device == "cpu":
         return "cpu"
     if ENV_JSON.is_file():
         return json.loads(ENV_JSON.read_text())["device"]
-    from pipeline.measure.device import resolve_device
+    from pipeline.host.device import resolve_device
     return resolve_device(params.benchmark.device)
 
 
@@ -85,9 +85,9 @@ def main(argv=None) -> int:
         return 0
 
     from pipeline.measure.cold import thread_env
-    from pipeline.measure.device import serving_threads
-    from pipeline.params import load_params
-    from pipeline.paths import benchmark_json, variant_dir
+    from pipeline.host.device import serving_threads
+    from pipeline.core.params import load_params
+    from pipeline.core.paths import benchmark_json, variant_dir
     params = load_params()
     device = _device(params)
     threads = serving_threads(device, params.benchmark.threads)

@@ -1,10 +1,10 @@
 """archive: pack the winner into artifacts/model_store/<name>.mar and the naive baseline into
 artifacts/baseline/ (<name>.mar + config.properties), and the hand-tuned ONNX reference into
-artifacts/handtuned/ (pipeline/handtuned.py).
+artifacts/handtuned/ (pipeline/serve/handtuned.py).
 
     python -m stages.archive [--params FILE] [--no-baseline]
 
-Also unpacks the .mar into artifacts/model_store/<name>/ (the folder form, pipeline/store_form.py).
+Also unpacks the .mar into artifacts/model_store/<name>/ (the folder form, pipeline/decide/store_form.py).
 Reads artifacts/selection.json, artifacts/serve/tuning.json (the served variant: the tune stage's
 contest may have replaced selection's winner), artifacts/variants/<variant>/,
 artifacts/serve/model-config.yaml (+ derivation.json), artifacts/env.json. Exits non-zero with one clear message when an input is missing.
@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipeline.archive import ArchiveError, build_archive, build_baseline
-from pipeline.params import ParamsError, load_params
-from pipeline.handtuned import build_handtuned
-from pipeline.paths import (BASELINE_DIR, ENV_JSON, HANDTUNED_DIR, MODEL_STORE, SELECTION_JSON, SERVE_DIR,
+from pipeline.serve.archive import ArchiveError, build_archive, build_baseline
+from pipeline.core.params import ParamsError, load_params
+from pipeline.serve.handtuned import build_handtuned
+from pipeline.core.paths import (BASELINE_DIR, ENV_JSON, HANDTUNED_DIR, MODEL_STORE, SELECTION_JSON, SERVE_DIR,
                             VARIANTS_DIR)
-from pipeline.store_form import unpack_mar
+from pipeline.decide.store_form import unpack_mar
 
 log = logging.getLogger("stages.archive")
 
@@ -72,5 +72,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.stage_record import run_timed   # metrics/stages/archive.json: wall time + peak memory
+    from pipeline.core.stage_record import run_timed   # metrics/stages/archive.json: wall time + peak memory
     sys.exit(run_timed("archive", main))

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.measure.cold import DEFAULT_FEEDS, DEFAULT_LOADER
-from pipeline.measure.device import DeviceError, resolve_device
+from pipeline.host.device import DeviceError, resolve_device
 from pipeline.measure.lock import DeviceBusyError, device_lock
 from pipeline.measure.runner import (BenchmarkSettings, benchmark_or_record, curve_rows, load_rows, outcome_record,
                                      throughput_rows)
-from pipeline.params import ParamsError, load_params
-from pipeline.paths import BENCHMARK_METRICS, BENCHMARK_PLOTS, ENV_JSON, VARIANTS_DIR
+from pipeline.core.params import ParamsError, load_params
+from pipeline.core.paths import BENCHMARK_METRICS, BENCHMARK_PLOTS, ENV_JSON, VARIANTS_DIR
 
 log = logging.getLogger("stages.benchmark")
 
@@ -86,5 +86,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.stage_record import run_timed   # metrics/stages/benchmark/<variant>.json: wall time + peak memory
+    from pipeline.core.stage_record import run_timed   # metrics/stages/benchmark/<variant>.json: wall time + peak memory
     sys.exit(run_timed("benchmark", main, item=sys.argv[1] if len(sys.argv) > 1 else None))

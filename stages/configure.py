@@ -17,12 +17,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from pipeline.params import ParamsError, load_params
-from pipeline.paths import (BENCHMARK_METRICS, CONFIGURED_DIR, CONTENDERS, ENV_JSON, GOLDEN_DIR, MODEL_STORE,
+from pipeline.core.params import ParamsError, load_params
+from pipeline.core.paths import (BENCHMARK_METRICS, CONFIGURED_DIR, CONTENDERS, ENV_JSON, GOLDEN_DIR, MODEL_STORE,
                             SELECTION_JSON)
-from pipeline.properties import ConfigWriteError, write_serve_files
-from pipeline.selection import tied_contenders
-from pipeline.serve_config import DerivationError, derive_serve_config
+from pipeline.decide.properties import ConfigWriteError, write_serve_files
+from pipeline.decide.selection import tied_contenders
+from pipeline.decide.serve_config import DerivationError, derive_serve_config
 
 log = logging.getLogger("stages.configure")
 
@@ -41,7 +41,7 @@ def sample_elements(golden_dir: Path) -> Optional[dict]:
     """Elements per sample of all inputs / all outputs, from the golden set (None when absent)."""
     if not (golden_dir / "golden.json").is_file():
         return None
-    from pipeline.golden import read_golden
+    from pipeline.model.golden import read_golden
     g = read_golden(golden_dir)
     b = g.batches[0]
     return {"input": int(sum(a.size for a in b.feeds.values()) // b.batch_size),
@@ -109,5 +109,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.stage_record import run_timed   # metrics/stages/configure.json: wall time + peak memory
+    from pipeline.core.stage_record import run_timed   # metrics/stages/configure.json: wall time + peak memory
     sys.exit(run_timed("configure", main))

@@ -12,8 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
-from pipeline.params import VARIANTS, load_params
-from pipeline.paths import GOLDEN_DIR, variant_dir
+from pipeline.core.params import VARIANTS, load_params
+from pipeline.core.paths import GOLDEN_DIR, variant_dir
 
 log = logging.getLogger("stages.convert")
 
@@ -27,9 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     params = load_params()
-    from pipeline.variants.base import get_converter
-    from pipeline.variants.build import convert_isolated, stage_exit_code
-    from pipeline.verify import tolerance_for
+    from pipeline.build.variants.base import get_converter
+    from pipeline.build.builder import convert_isolated, stage_exit_code
+    from pipeline.accuracy.verify import tolerance_for
     dtype = get_converter(args.variant).dtype
     out = args.out or variant_dir(args.variant)
     log.info("converting %s (timeout %s s) into %s", args.variant, params.conversion.timeout_s, out)
@@ -49,5 +49,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.stage_record import run_timed   # metrics/stages/convert/<variant>.json: wall time + peak memory
+    from pipeline.core.stage_record import run_timed   # metrics/stages/convert/<variant>.json: wall time + peak memory
     sys.exit(run_timed("convert", main, item=sys.argv[1] if len(sys.argv) > 1 else None))

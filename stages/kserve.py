@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.kserve import KServeError, build_layout
-from pipeline.params import REPO_ROOT, ParamsError, load_params
+from pipeline.publish.kserve import KServeError, build_layout
+from pipeline.core.params import REPO_ROOT, ParamsError, load_params
 
 log = logging.getLogger("stages.kserve")
 
@@ -54,5 +54,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.stage_record import run_timed   # metrics/stages/kserve.json: wall time + peak memory
+    from pipeline.core.stage_record import run_timed   # metrics/stages/kserve.json: wall time + peak memory
     sys.exit(run_timed("kserve", main))

@@ -11,8 +11,8 @@ import logging
 import sys
 import time
 
-from pipeline.params import ParamsError, load_params
-from pipeline.paths import GOLDEN_DIR
+from pipeline.core.params import ParamsError, load_params
+from pipeline.core.paths import GOLDEN_DIR
 
 log = logging.getLogger("stages.prepare")
 
@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     except ParamsError as e:          # before importing torch: bad params fail in a fraction of a second
         print(f"prepare: error: {e}", file=sys.stderr)
         return 2
-    from pipeline.checkpoint import CheckpointError, load_model
-    from pipeline.golden import write_golden
+    from pipeline.model.checkpoint import CheckpointError, load_model
+    from pipeline.model.golden import write_golden
     try:
         t0 = time.perf_counter()
         loaded = load_model(params)
@@ -45,5 +45,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.stage_record import run_timed   # metrics/stages/prepare.json: wall time + peak memory
+    from pipeline.core.stage_record import run_timed   # metrics/stages/prepare.json: wall time + peak memory
     sys.exit(run_timed("prepare", main))

@@ -8,10 +8,10 @@ import json
 import logging
 import sys
 
-from pipeline.measure.device import DeviceError
-from pipeline.params import ParamsError, load_params
-from pipeline.paths import ENV_JSON
-from pipeline.probe import fingerprint
+from pipeline.host.device import DeviceError
+from pipeline.core.params import ParamsError, load_params
+from pipeline.core.paths import ENV_JSON
+from pipeline.host.probe import fingerprint
 
 log = logging.getLogger("stages.probe")
 
@@ -37,5 +37,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.stage_record import run_timed   # metrics/stages/probe.json: wall time + peak memory
+    from pipeline.core.stage_record import run_timed   # metrics/stages/probe.json: wall time + peak memory
     sys.exit(run_timed("probe", main))

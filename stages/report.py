@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.params import REPO_ROOT, ParamsError, load_params
-from pipeline.report import collect_inputs, write_report
+from pipeline.core.params import REPO_ROOT, ParamsError, load_params
+from pipeline.publish.report import collect_inputs, write_report
 
 log = logging.getLogger("stages.report")
 
@@ -45,5 +45,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.stage_record import run_timed   # metrics/stages/report.json: wall time + peak memory
+    from pipeline.core.stage_record import run_timed   # metrics/stages/report.json: wall time + peak memory
     sys.exit(run_timed("report", main))

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from pipeline.params import ParamsError, load_params
-from pipeline.paths import BENCHMARK_METRICS, ENV_JSON, SELECTION_JSON, VARIANTS_DIR
-from pipeline.selection import Criteria, SelectionError, check_decision, select
-from pipeline.serve_config import served_workers
+from pipeline.core.params import ParamsError, load_params
+from pipeline.core.paths import BENCHMARK_METRICS, ENV_JSON, SELECTION_JSON, VARIANTS_DIR
+from pipeline.decide.selection import Criteria, SelectionError, check_decision, select
+from pipeline.decide.serve_config import served_workers
 
 log = logging.getLogger("stages.select")
 
@@ -80,5 +80,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.stage_record import run_timed   # metrics/stages/select.json: wall time + peak memory
+    from pipeline.core.stage_record import run_timed   # metrics/stages/select.json: wall time + peak memory
     sys.exit(run_timed("select", main))

@@ -15,12 +15,12 @@ import logging
 import sys
 from typing import Optional
 
-from pipeline.params import ParamsError, as_dict, load_params
-from pipeline.paths import BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR
-from pipeline.serve_check import ServerSpec, load_http_cases, serve_check, tolerance_from_mar
-from pipeline.server_floor import measure_server_floor, readiness_vs_floor
-from pipeline.startup_check import startup_evidence
-from pipeline.store_form import FORMS, form_of, store_entry
+from pipeline.core.params import ParamsError, as_dict, load_params
+from pipeline.core.paths import BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR
+from pipeline.serve.serve_check import ServerSpec, load_http_cases, serve_check, tolerance_from_mar
+from pipeline.serve.server_floor import measure_server_floor, readiness_vs_floor
+from pipeline.serve.startup_check import startup_evidence
+from pipeline.decide.store_form import FORMS, form_of, store_entry
 
 log = logging.getLogger("stages.serve_check")
 
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
                   MODEL_STORE / store_entry(name, form), form)
         return 2
     alternate = next((spec for f, spec in forms.items() if f != form), None)
-    # The server's own floor, measured first, as the model is served (pipeline/server_floor.py):
+    # The server's own floor, measured first, as the model is served (pipeline/serve/server_floor.py):
     # READY is judged against floor + raw read of the artifact.
     floor = measure_server_floor(workers=served_workers(derivation), config=config, env=env)
     record = serve_check(forms[form], baseline, cases, task=params.model.task,
@@ -98,10 +98,10 @@ def main(argv=None) -> int:
 
 def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dict:
     """Winner, hand-tuned reference (artifacts/handtuned/) and baseline in interleaved rounds
-    (pipeline/reference_rounds.py); the checks already run count as round 1."""
-    from pipeline.handtuned import read_handtuned
-    from pipeline.reference_rounds import interleaved_rounds, ratios
-    from pipeline.tuning import thread_env
+    (pipeline/serve/reference_rounds.py); the checks already run count as round 1."""
+    from pipeline.serve.handtuned import read_handtuned
+    from pipeline.serve.reference_rounds import interleaved_rounds, ratios
+    from pipeline.serve.tuning import thread_env
     sc, name = params.serve_check, params.model.name
     specs, first = {"winner": winner}, {"winner": record["winner"]}
     handtuned = read_handtuned(HANDTUNED_DIR) if sc.handtuned else {"available": False,
@@ -142,7 +142,7 @@ def start_env(serve_dir, name, store, config) -> dict:
     `handler.threads`), so the server runs as it will be deployed."""
     import yaml
 
-    from pipeline.properties import start_command
+    from pipeline.decide.properties import start_command
     path = serve_dir / "model-config.yaml"
     cfg = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
     threads = (cfg.get("handler") or {}).get("threads")
@@ -156,5 +156,5 @@ def _r(x):
 
 
 if __name__ == "__main__":
-    from pipeline.stage_record import run_timed   # metrics/stages/serve_check.json: wall time + peak memory
+    from pipeline.core.stage_record import run_timed   # metrics/stages/serve_check.json: wall time + peak memory
     sys.exit(run_timed("serve_check", main))

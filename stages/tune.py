@@ -21,15 +21,15 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.archive import ArchiveError, build_archive
-from pipeline.params import ParamsError, load_params
-from pipeline.paths import (BENCHMARK_METRICS, CONFIGURED_DIR, CONTENDERS, ENV_JSON, GOLDEN_DIR, MODEL_STORE, SELECTION_JSON,
+from pipeline.serve.archive import ArchiveError, build_archive
+from pipeline.core.params import ParamsError, load_params
+from pipeline.core.paths import (BENCHMARK_METRICS, CONFIGURED_DIR, CONTENDERS, ENV_JSON, GOLDEN_DIR, MODEL_STORE, SELECTION_JSON,
                             SERVE_DIR, TUNING_METRICS, VARIANTS_DIR)
-from pipeline.properties import ConfigWriteError, write_serve_files
-from pipeline.selection import tied_contenders
-from pipeline.serve_check import load_http_cases
-from pipeline.serve_config import DerivationError, curve_from_benchmark, usable_cores, values
-from pipeline.tuning import (Contender, ServedModel, TuneSettings, TuningError, candidates_from_curve,
+from pipeline.decide.properties import ConfigWriteError, write_serve_files
+from pipeline.decide.selection import tied_contenders
+from pipeline.serve.serve_check import load_http_cases
+from pipeline.decide.serve_config import DerivationError, curve_from_benchmark, usable_cores, values
+from pipeline.serve.tuning import (Contender, ServedModel, TuneSettings, TuningError, candidates_from_curve,
                              frontend_properties, progress_bar, tune, tuned_derivation, variant_contest)
 
 log = logging.getLogger("stages.tune")
@@ -144,7 +144,7 @@ def operating_candidates(params, env: dict, proposal: Path, variant: str) -> tup
 
 def run_contest(params, env: dict, proposals: dict, contenders: list[str], cases, settings: TuneSettings,
                 store: Path, tmp: Path) -> dict:
-    """Serve the variants tied offline against each other (pipeline.tuning.variant_contest), logged."""
+    """Serve the variants tied offline against each other (pipeline.serve.tuning.variant_contest), logged."""
     log.info("contest: %s are within the benchmark's noise of each other; serving each at its offline point",
              ", ".join(contenders))
     entries = [Contender(v, served_model(params, proposals[v], v, store),
@@ -167,7 +167,7 @@ def run_contest(params, env: dict, proposals: dict, contenders: list[str], cases
 def fits_side_by_side(candidates, benchmark: dict, env: dict, memory_share: float) -> bool:
     """Every candidate's workers (and the frontend variants of the largest) held at once within the
     memory share of the host: peak RSS per worker from the benchmark; unknown → no."""
-    from pipeline.tuning import FRONTEND_CANDIDATES
+    from pipeline.serve.tuning import FRONTEND_CANDIDATES
     rss = max([float(p["peak_rss_mb"]) for p in (benchmark.get("steady") or {}).values()
                if isinstance(p, dict) and p.get("peak_rss_mb")] or [0.0])
     host = env.get("memory_mb")
@@ -194,5 +194,5 @@ def _metrics(record: dict) -> dict:
 
 
 if __name__ == "__main__":
-    from pipeline.stage_record import run_timed   # metrics/stages/tune.json: wall time + peak memory
+    from pipeline.core.stage_record import run_timed   # metrics/stages/tune.json: wall time + peak memory
     sys.exit(run_timed("tune", main))

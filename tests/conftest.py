@@ -27,10 +27,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Stage scripts the tests run (in-process or as subprocesses) record their wall time here, not in
 # the repo's metrics/stages/ (the pipeline's own committed records).
 os.environ.setdefault("PIPELINE_STAGE_METRICS", tempfile.mkdtemp(prefix="test-stage-metrics-"))
-# The shared ONNX export (pipeline/variants/export_cache.py) of the tests' tiny models: not in ~/.cache.
+# The shared ONNX export (pipeline/build/variants/export_cache.py) of the tests' tiny models: not in ~/.cache.
 os.environ["PIPELINE_CACHE_DIR"] = tempfile.mkdtemp(prefix="test-pipeline-cache-")
 
-from pipeline.params import parse_params  # noqa: E402
+from pipeline.core.params import parse_params  # noqa: E402
 
 TEST_BATCH_SIZES = [1, 2, 4]
 

@@ -83,7 +83,7 @@ def steady_round(runtime, make_feeds, model_dir: str, device: str, threads, seq_
     re-measured / stayed noisy, peak memory and the CPU share it got. A sweep round measures size
     after size (each decides whether the next is worth it); a repeat round interleaves its sizes."""
     from pipeline.measure import memory
-    from pipeline.measure.device import synchronizer
+    from pipeline.host.device import synchronizer
     from pipeline.measure.reference import reference_window_ms
     from pipeline.measure.steady import measure_interleaved, measure_latency, measure_stable, sweep
 

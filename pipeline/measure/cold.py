@@ -18,7 +18,7 @@ from pipeline.measure import pagecache
 from pipeline.measure.child import MARKER
 from pipeline.measure.stats import ColdLoadSummary, DiskLoad
 from pipeline.measure.steady import RoundSpec
-from pipeline.params import REPO_ROOT
+from pipeline.core.params import REPO_ROOT
 
 DEFAULT_LOADER = "handlers.runtime:load_runtime"
 DEFAULT_FEEDS = "pipeline.measure.feeds:example_feeds"

@@ -5,7 +5,7 @@ import resource
 import sys
 from typing import Optional
 
-from pipeline.measure import nvml
+from pipeline.host import nvml
 
 
 def peak_rss_mb() -> float:

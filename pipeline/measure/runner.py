@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from pipeline.measure.cold import DEFAULT_FEEDS, DEFAULT_LOADER, artifact_files, measure_fresh_processes
-from pipeline.measure.device import serving_threads
+from pipeline.host.device import serving_threads
 from pipeline.measure.feeds import read_variant
 from pipeline.measure.reference import HostReference, per_reference
 from pipeline.measure.stats import LatencySummary, RepeatedLatency
@@ -108,7 +108,7 @@ class BenchmarkSettings:
 
     @classmethod
     def from_params(cls, bp) -> "BenchmarkSettings":
-        """From pipeline.params.BenchmarkParams (already validated)."""
+        """From pipeline.core.params.BenchmarkParams (already validated)."""
         shared = {f.name: getattr(bp, f.name) for f in fields(cls) if hasattr(bp, f.name)}
         return cls(**{**shared, "batch_sizes": tuple(bp.batch_sizes)})
 

@@ -1,0 +1,34 @@
+"""Where every stage reads and writes. Public paths (named in the README) must stay stable."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.core.params import REPO_ROOT
+
+ARTIFACTS = REPO_ROOT / "artifacts"
+METRICS = REPO_ROOT / "metrics"
+REPORTS = REPO_ROOT / "reports"
+
+ENV_JSON = ARTIFACTS / "env.json"                    # probe: hardware + library fingerprint
+GOLDEN_DIR = ARTIFACTS / "golden"                    # prepare: inputs + eager fp32 reference outputs
+VARIANTS_DIR = ARTIFACTS / "variants"                # convert@<variant>: one folder per variant
+BENCHMARK_METRICS = METRICS / "benchmark"            # benchmark@<variant>: <variant>.json
+BENCHMARK_PLOTS = ARTIFACTS / "plots"                # plot data (csv/json) for dvc plots
+SELECTION_JSON = ARTIFACTS / "selection.json"        # select
+CONFIGURED_DIR = ARTIFACTS / "configured"            # configure: the offline proposal (same files as serve/)
+CONTENDERS = "contenders"                              # configured/contenders/<variant>/: variants tied with the winner
+SERVE_DIR = ARTIFACTS / "serve"                      # tune: config.properties, model-config.yaml, derivation.json, tuning.json
+TUNING_METRICS = METRICS / "tuning.json"             # tune: duration, served verdict, chosen point
+HANDTUNED_DIR = ARTIFACTS / "handtuned"              # archive: the hand-tuned ONNX reference (<name>.mar + config.properties)
+MODEL_STORE = ARTIFACTS / "model_store"              # archive: <name>.mar
+BASELINE_DIR = ARTIFACTS / "baseline"                # archive: naive <name>.mar + config.properties
+SERVE_CHECK_JSON = METRICS / "serve_check.json"      # serve_check
+KSERVE_DIR = ARTIFACTS / "kserve"
+
+
+def variant_dir(variant: str) -> Path:
+    return VARIANTS_DIR / variant
+
+
+def benchmark_json(variant: str) -> Path:
+    return BENCHMARK_METRICS / f"{variant}.json"

@@ -1,0 +1,431 @@
+"""Load a checkpoint safely and wrap it as a task model with named, batch-first inputs/outputs.
+
+Sources (params `model.source`):
+- `hf`: a Hugging Face folder (config.json + model.safetensors | pytorch_model.bin, or their sharded
+  form with its `*.index.json`; tokenizer.json).
+- `state_dict`: .safetensors / .pt / .pth / .bin weights (or a sharded `*.index.json`) + `model.factory`
+  that builds the module.
+- `torchscript`: a TorchScript archive (.pt) loaded with torch.jit.load.
+
+Safety: weights are read with safetensors or `torch.load(weights_only=True)`. A pickle that needs
+more than tensors and plain containers is refused (no code of it runs) unless the user sets
+`model.trust_checkpoint: true`. Every problem (missing/corrupt file, a missing weight that feeds the
+task's outputs, mis-shaped keys, factory not importable) is a `CheckpointError` raised before any
+conversion starts; missing weights the task never uses and unexpected keys are logged (pipeline/model/weights.py).
+
+The returned module takes tensors in `LoadedModel.inputs` order and returns a tensor or a tuple of
+tensors in `LoadedModel.outputs` order; the task wrappers avoid Python ints taken from shapes so
+tracing/export keeps the batch (and sequence) dimension dynamic.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+# Nothing here may reach a hub: weights come from local files only.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.core.params import REPO_ROOT, Params, ParamsError, checkpoint_path, resolve_path
+# Weight reading lives in pipeline.model.weights; re-exported here for callers of the checkpoint API.
+from pipeline.model.weights import (STATE_DICT_SUFFIXES, CheckpointError, KeyReport, _first_line,  # noqa: F401
+                              check_readable, find_hf_weights, judge_missing, key_problem, load_into,
+                              read_weights, state_dict_files)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InputSpec:
+    name: str
+    dtype: str                                   # 'int64' | 'float32'
+    dynamic_axes: dict[int, str] = field(default_factory=dict)   # e.g. {0: 'batch', 1: 'sequence'}
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype,
+                "dynamic_axes": {str(k): v for k, v in self.dynamic_axes.items()}}
+
+
+@dataclass
+class LoadedModel:
+    module: Optional[nn.Module]   # eval(), fp32, CPU; forward(*tensors in `inputs` order); None once released
+    inputs: list[InputSpec]
+    outputs: list[str]
+    task: dict                    # goes into variant.json "task"
+    extra_files: dict[str, Path] = field(default_factory=dict)   # variant-folder name -> source file
+    source_files: list[Path] = field(default_factory=list)       # checkpoint file(s), for provenance
+    # Loads the module again (load_model sets it): a released module comes back if a step needs it.
+    reload: Optional[Callable[[], nn.Module]] = field(default=None, repr=False, compare=False)
+
+    def example_inputs(self, feeds: dict) -> tuple:
+        """Order a feeds dict (numpy arrays or tensors) as the module's positional arguments."""
+        return tuple(torch.as_tensor(feeds[spec.name]) for spec in self.inputs)
+
+    def release_module(self) -> bool:
+        """Drop the module, one copy of the model's weights, for the steps of a build that no longer
+        use it (an ONNX build after its export: quantizing bert-large then held 5.7 GB with it);
+        `require_module()` loads it again if a later step does. False (kept) when it cannot be."""
+        if self.module is None or self.reload is None:
+            return self.module is None
+        self.module = None
+        free_memory()
+        return True
+
+    def require_module(self) -> nn.Module:
+        if self.module is None:
+            if self.reload is None:
+                raise RuntimeError("the model's module was released and cannot be loaded again")
+            self.module = self.reload()
+        return self.module
+
+
+def free_memory() -> None:
+    """Collect garbage and hand the heap's free pages back to the OS (glibc keeps freed chunks of
+    a few MB, such as a transformer's weights, for reuse; the peak of the next step then adds to
+    them)."""
+    import ctypes
+    import ctypes.util
+    import gc
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(libc).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass                          # not glibc: nothing to trim
+
+
+# --------------------------------------------------------------------------- factory
+def import_factory(spec: str, base: Path = REPO_ROOT):
+    """'pkg.module:fn' or 'path/to/file.py:fn' (relative to the repo root) -> the callable."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise CheckpointError(f"`model.factory` = {spec!r}: expected 'pkg.module:function' or "
+                              f"'path/to/file.py:function'")
+    if target.endswith(".py"):
+        file = Path(target).expanduser()
+        file = file if file.is_absolute() else base / file
+        if not file.is_file():
+            raise CheckpointError(f"`model.factory` = {spec!r}: file {file} not found; the path is relative "
+                                  f"to the repo root ({base})")
+        mod_name = "_factory_" + "_".join(file.with_suffix("").parts[-3:]).replace("-", "_").replace(".", "_")
+        module_spec = importlib.util.spec_from_file_location(mod_name, file)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[mod_name] = module   # dataclasses/pickling inside the file look themselves up here
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:
+            sys.modules.pop(mod_name, None)
+            raise CheckpointError(f"`model.factory` = {spec!r}: importing {file} failed: "
+                                  f"{type(e).__name__}: {e}") from None
+    else:
+        if str(base) not in sys.path:
+            sys.path.insert(0, str(base))
+        try:
+            module = importlib.import_module(target)
+        except Exception as e:
+            raise CheckpointError(f"`model.factory` = {spec!r}: cannot import module `{target}` "
+                                  f"({type(e).__name__}: {e}); install the package or fix the name") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise CheckpointError(f"`model.factory` = {spec!r}: `{target}` has no attribute `{attr}`")
+    if not callable(fn):
+        raise CheckpointError(f"`model.factory` = {spec!r}: `{attr}` is a {type(fn).__name__}, not callable")
+    return fn
+
+
+def build_from_factory(spec: str, kwargs: dict) -> nn.Module:
+    fn = import_factory(spec)
+    try:
+        module = fn(**kwargs)
+    except Exception as e:
+        raise CheckpointError(f"`model.factory` = {spec!r} failed when called with "
+                              f"`model.factory_kwargs` = {kwargs!r}: {type(e).__name__}: {e}") from None
+    if not isinstance(module, nn.Module):
+        raise CheckpointError(f"`model.factory` = {spec!r} returned a {type(module).__name__}; "
+                              f"it must return a torch.nn.Module")
+    return module
+
+
+# --------------------------------------------------------------------------- task wrappers
+class TextEmbeddingModel(nn.Module):
+    """HF encoder + pooling over attention_mask (+ L2 normalisation), as sentence-transformers does."""
+
+    def __init__(self, encoder: nn.Module, pooling: str = "mean", normalize: bool = True):
+        super().__init__()
+        if pooling not in ("mean", "cls", "max", "mean_sqrt_len"):
+            raise CheckpointError(f"text-embedding pooling {pooling!r} is not supported (mean, cls, max, mean_sqrt_len)")
+        self.encoder = encoder
+        self.pooling = pooling
+        self.normalize = normalize
+        # Decided once here, not per call: e.g. DistilBERT takes no token_type_ids.
+        self.pass_token_types = "token_type_ids" in inspect.signature(encoder.forward).parameters
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # token_type_ids explicit: the encoder's own default slices a buffer by a shape-derived int.
+        if self.pass_token_types:
+            out = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                               token_type_ids=torch.zeros_like(input_ids))
+        else:
+            out = self.encoder(input_ids=input_ids, attention_mask=attention_mask)
+        hidden = out.last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        elif self.pooling == "max":
+            pooled = hidden.masked_fill(mask == 0, -1e4).amax(dim=1)
+        else:
+            # Counts are whole numbers >= 1 for any real input; clamp(1) also survives fp16.
+            counts = mask.sum(dim=1).clamp(min=1.0)
+            summed = (hidden * mask).sum(dim=1)
+            pooled = summed / counts if self.pooling == "mean" else summed / counts.sqrt()
+        if self.normalize:
+            pooled = F.normalize(pooled, p=2.0, dim=1)
+        return pooled
+
+
+class OutputsAsTuple(nn.Module):
+    """Turn a model's output (tensor / tuple / dict / HF ModelOutput) into a tensor or a tuple of tensors."""
+
+    def __init__(self, model: nn.Module, keys: list[str] | None = None, pick: str | None = None):
+        super().__init__()
+        self.model = model
+        self.keys = keys        # dict-like outputs: which entries, in order
+        self.pick = pick        # HF outputs: one attribute (e.g. 'logits')
+
+    def forward(self, x: torch.Tensor):
+        out = self.model(x)
+        if self.pick is not None:
+            return getattr(out, self.pick) if not isinstance(out, dict) else out[self.pick]
+        if self.keys is not None:
+            return tuple(out[k] for k in self.keys)
+        return out
+
+
+def _describe_outputs(module: nn.Module, example: torch.Tensor) -> tuple[list[str], list[str] | None]:
+    """Run once to find output names: tensor -> ['output'], tuple -> output_0.., dict -> its keys."""
+    with torch.inference_mode():
+        out = module(example)
+    if isinstance(out, torch.Tensor):
+        return ["output"], None
+    if isinstance(out, dict):
+        keys = [k for k, v in out.items() if isinstance(v, torch.Tensor)]
+        return keys, keys
+    if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
+        return [f"output_{i}" for i in range(len(out))], None
+    raise CheckpointError(f"the model returns {type(out).__name__}; a tensor, a tuple of tensors or a dict "
+                          f"of tensors is needed")
+
+
+# --------------------------------------------------------------------------- sources
+def _quiet_transformers():
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def _load_hf(params: Params, folder: Path) -> tuple[nn.Module, list[Path]]:
+    if not folder.is_dir():
+        raise CheckpointError(f"`model.checkpoint` = {params.model.checkpoint!r} -> {folder}: not a folder; "
+                              f"source 'hf' needs a Hugging Face model folder (config.json + weights)")
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder}: config.json is missing; source 'hf' needs a Hugging Face model folder")
+    weights = find_hf_weights(folder)
+    # Check the files ourselves first (headers, weights_only unpickling, no tensor data read): clear
+    # errors, and a .bin never gets full unpickling. transformers then reads shard by shard into a
+    # model built without memory (meta device) — peak memory near one copy, sharded or not.
+    check_readable(weights, trust=params.model.trust_checkpoint)
+    transformers = _quiet_transformers()
+    auto = (transformers.AutoModelForImageClassification if params.model.task == "image-classification"
+            else transformers.AutoModel)
+    try:
+        model, info = auto.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
+                                           torch_dtype=torch.float32)
+    except Exception as e:
+        raise CheckpointError(f"{folder}: transformers could not build the model: {type(e).__name__}: "
+                              f"{_first_line(e)}") from None
+    report = KeyReport(source=f"{weights.describe()} (for {folder / 'config.json'})",
+                       fix="Use the weights that belong to this config.",
+                       unexpected=sorted(info.get("unexpected_keys") or []),
+                       mismatched=sorted(str(k) for k in (info.get("mismatched_keys") or [])))
+    if report.mismatched:
+        raise CheckpointError(key_problem(report, sorted(info.get("missing_keys") or [])))
+    state = model.state_dict(keep_vars=True)
+    report.missing = {k: state[k] for k in sorted(info.get("missing_keys") or []) if k in state}
+    return model, [folder / "config.json", *weights.paths], report
+
+
+def _sentence_transformers_pooling(folder: Path) -> tuple[str, bool]:
+    """Pooling mode and normalisation from modules.json / 1_Pooling when present; mean + L2 otherwise."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return "mean", True
+    try:
+        modules = json.loads(modules_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{modules_file}: not valid JSON ({e})") from None
+    pooling, normalize = "mean", False
+    for m in modules:
+        kind = str(m.get("type", ""))
+        if kind.endswith("Normalize"):
+            normalize = True
+        elif kind.endswith("Pooling"):
+            cfg_file = folder / m.get("path", "") / "config.json"
+            if cfg_file.is_file():
+                cfg = json.loads(cfg_file.read_text())
+                modes = [mode for mode, key in (("cls", "pooling_mode_cls_token"), ("max", "pooling_mode_max_tokens"),
+                                                ("mean_sqrt_len", "pooling_mode_mean_sqrt_len_tokens"),
+                                                ("mean", "pooling_mode_mean_tokens")) if cfg.get(key)]
+                if len(modes) != 1:
+                    raise CheckpointError(f"{cfg_file}: exactly one pooling mode is supported, found {modes or 'none'}")
+                pooling = modes[0]
+    return pooling, normalize
+
+
+def _load_module(params: Params, path: Path) -> tuple[nn.Module, list[Path], Optional[KeyReport]]:
+    """The bare module, its source files, and how its keys matched (None: nothing to judge)."""
+    m = params.model
+    if m.source == "hf":
+        return _load_hf(params, path)
+    if m.source == "state_dict":
+        files = state_dict_files(path)
+        check_readable(files, trust=m.trust_checkpoint)     # before the factory: fail fast, no code
+        module = build_from_factory(m.factory, dict(m.factory_kwargs))
+        report = load_into(module, files, m.trust_checkpoint,
+                           fix="Fix `model.factory` / `model.factory_kwargs` so the architecture matches the checkpoint.")
+        return module, files.paths, report
+    # torchscript
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file not found: {path}; check `model.checkpoint` in params.yaml")
+    try:
+        module = torch.jit.load(str(path), map_location="cpu")
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a loadable TorchScript archive ({type(e).__name__}: {_first_line(e)}); "
+                              f"save it with torch.jit.save, or use source 'state_dict' with a factory") from None
+    return module, [path], None
+
+
+def load_model(params: Params) -> LoadedModel:
+    """Load `params.model` safely and wrap it for its task (eval, fp32, CPU)."""
+    m = params.model
+    try:
+        path = checkpoint_path(params)
+    except ParamsError as e:
+        raise CheckpointError(str(e)) from None
+    if not path.exists():
+        raise CheckpointError(f"`model.checkpoint` = {m.checkpoint!r} -> {path} does not exist; give a path "
+                              f"relative to the repo root, an absolute path, or pkg:<package>/<path>")
+    if m.task == "text-embedding":
+        loaded, report = _text_embedding(params, path)
+    else:
+        module, sources, report = _load_module(params, path)
+        module = module.float().eval() if not isinstance(module, torch.jit.ScriptModule) else module.eval()
+        loaded = (_image_classification if m.task == "image-classification" else _tensor)(params, module, sources)
+    if report is not None:
+        # Missing weights matter only where they feed what the task computes (e.g. BERT's pooler does
+        # not feed a text embedding): judged on the wrapped task module.
+        judge_missing(report, loaded.module, probe_args(loaded), m.task)
+    # Inference only: outputs never carry autograd state (numpy() works on them directly).
+    for param in loaded.module.parameters():
+        param.requires_grad_(False)
+    loaded.reload = lambda: load_model(params).module
+    return loaded
+
+
+def probe_args(loaded: LoadedModel) -> tuple:
+    """One small batch-1 input of the right shapes and dtypes (token ids 1: inside any vocabulary)."""
+    task = loaded.task
+    args = []
+    for spec in loaded.inputs:
+        if spec.dtype.startswith("int"):
+            args.append(torch.ones(1, 8, dtype=torch.int64))
+        elif task.get("kind") == "image-classification":
+            args.append(torch.zeros(1, 3, task["size"], task["size"]))
+        else:
+            args.append(torch.zeros(1, *task.get("input_shape", [])))
+    return tuple(args)
+
+
+def _text_embedding(params: Params, path: Path) -> tuple[LoadedModel, Optional[KeyReport]]:
+    if params.model.source != "hf":
+        raise CheckpointError(f"task 'text-embedding' needs `model.source: hf` (a Hugging Face folder with "
+                              f"tokenizer.json), got {params.model.source!r}")
+    tokenizer = path / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise CheckpointError(f"{path}: tokenizer.json is missing; text-embedding needs the fast tokenizer file "
+                              f"(save it with tokenizer.save_pretrained)")
+    encoder, sources, report = _load_module(params, path)
+    pooling, normalize = _sentence_transformers_pooling(path)
+    module = TextEmbeddingModel(encoder.float().eval(), pooling, normalize).eval()
+    hidden = getattr(getattr(encoder, "config", None), "hidden_size", None)
+    task = {"kind": "text-embedding", "max_length": params.model.text.max_length, "pooling": pooling,
+            "normalize": normalize, "dim": hidden, "tokenizer": "tokenizer.json"}
+    seq = {0: "batch", 1: "sequence"}
+    loaded = LoadedModel(module=module,
+                         inputs=[InputSpec("input_ids", "int64", dict(seq)), InputSpec("attention_mask", "int64", dict(seq))],
+                         outputs=["embedding"], task=task, extra_files={"tokenizer.json": tokenizer},
+                         source_files=sources + [tokenizer])
+    return loaded, report
+
+
+def _image_classification(params: Params, module: nn.Module, sources: list[Path]) -> LoadedModel:
+    img = params.model.image
+    example = torch.zeros(1, 3, img.size, img.size)
+    if params.model.source == "hf":
+        wrapped = OutputsAsTuple(module, pick="logits")
+    else:
+        names, keys = _describe_outputs(module, example)
+        if len(names) != 1:
+            raise CheckpointError(f"image-classification needs one logits output; the model returns {len(names)} "
+                                  f"({', '.join(names)}); use task 'tensor' or make the factory return logits only")
+        wrapped = OutputsAsTuple(module, keys=None, pick=keys[0] if keys else None)
+    with torch.inference_mode():
+        logits = wrapped(example)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise CheckpointError(f"image-classification: the model must return logits [batch, classes]; got "
+                              f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+    num_classes = int(logits.shape[1])
+    extra: dict[str, Path] = {}
+    if img.labels:
+        labels_path = resolve_path(img.labels)
+        try:
+            labels = json.loads(labels_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"`model.image.labels` -> {labels_path}: cannot read a JSON list ({e})") from None
+        if not isinstance(labels, list) or len(labels) != num_classes:
+            raise CheckpointError(f"`model.image.labels` -> {labels_path}: needs a JSON list of {num_classes} names "
+                                  f"(one per class), got {type(labels).__name__} of {len(labels) if isinstance(labels, list) else '?'}")
+        extra["labels.json"] = labels_path
+    task = {"kind": "image-classification", "size": img.size, "mean": img.mean, "std": img.std,
+            "top_k": min(img.top_k, num_classes), "num_classes": num_classes,
+            "labels": "labels.json" if extra else None}
+    return LoadedModel(module=wrapped.eval(), inputs=[InputSpec("pixels", "float32", {0: "batch"})],
+                       outputs=["logits"], task=task, extra_files=extra, source_files=sources)
+
+
+def _tensor(params: Params, module: nn.Module, sources: list[Path]) -> LoadedModel:
+    shape = list(params.model.input_shape or [])
+    example = torch.zeros(1, *shape)
+    try:
+        names, keys = _describe_outputs(module, example)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"the model fails on a zero input of shape [1, {', '.join(map(str, shape))}] "
+                              f"(`model.input_shape` = {shape}): {type(e).__name__}: {_first_line(e)}") from None
+    wrapped = OutputsAsTuple(module, keys=keys) if keys else module
+    task = {"kind": "tensor", "input_shape": shape, "input_dtype": "float32"}
+    return LoadedModel(module=wrapped.eval(), inputs=[InputSpec("input", "float32", {0: "batch"})],
+                       outputs=names, task=task, extra_files={}, source_files=sources)

@@ -1,0 +1,366 @@
+"""Pack the winning variant into a TorchServe .mar, plus the naive baseline .mar for comparison.
+
+The optimised archive (`artifacts/model_store/<name>.mar`, zip-store = uncompressed so a big model
+unpacks fast) holds:
+- the winner's variant folder files (variant.json "files" + its artifact), as they are;
+- the entry handler of its runtime family at the root (`torch_handler.py` | `onnx_handler.py`) and the
+  `handlers/` package it imports (serving, tasks, runtime*), laid out as in the repo so the same
+  imports work in both places;
+- `model-config.yaml` from the configure stage (`--config-file`: TorchServe reads it, the handler
+  reads its `handler:` section);
+- `provenance.json`: source checkpoint sha256, variant, verification figures, selection,
+  environment, config derivation, git revision, and the sha256 of every other file in the archive.
+
+The baseline (`artifacts/baseline/<name>.mar` + `config.properties`) is the common hand-written
+setup: the original checkpoint, `baseline_handler.py` (eager fp32, no warm-up), no model-config.yaml,
+TorchServe's default settings except `model_store` and `load_models`.
+
+Reproducible: the same inputs give the same archive contents; only MANIFEST.json's createdOn differs.
+Each build stages in its own private temp dir (the archiver rmtree's `$TMPDIR/<model-name>`).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+from pipeline.core.params import REPO_ROOT, Params, checkpoint_path, resolve_path
+
+log = logging.getLogger(__name__)
+
+HANDLERS_DIR = REPO_ROOT / "handlers"
+# The handler modules an archive needs besides its entry module: shared logic, tasks, runtimes.
+SERVING_MODULES = ("__init__.py", "serving.py", "tasks.py", "runtime.py", "runtime_torch.py", "runtime_onnx.py")
+ENTRY_HANDLERS = {"torch": "torch_handler.py", "onnx": "onnx_handler.py"}
+BASELINE_HANDLER = "baseline_handler.py"
+BASELINE_MODULES = ("__init__.py", "tasks.py")
+PROVENANCE = "provenance.json"
+BASELINE_SPEC = "baseline.json"
+MODEL_CONFIG = "model-config.yaml"
+MODEL_VERSION = "1.0"
+# Fixed file times inside the archive: zip entries then depend on content only (zip's epoch is 1980).
+FIXED_MTIME = 315532800 + 86400 * 366 * 20       # 2000-01-01-ish, any constant works
+_ARCHIVER_LOCK = threading.Lock()                 # tempfile.tempdir is process-global
+
+
+class ArchiveError(RuntimeError):
+    """The archive cannot be built from the stage outputs; the message names what is missing."""
+
+
+@dataclass
+class ArchiveResult:
+    path: Path
+    model_name: str
+    handler: str
+    files: dict[str, str] = field(default_factory=dict)   # name in archive -> sha256 (MANIFEST excluded)
+    bytes: int = 0
+
+
+# --------------------------------------------------------------------------- small helpers
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ArchiveError(f"{path} is missing ({what}); run the earlier stages first (dvc repro)") from None
+    except json.JSONDecodeError as e:
+        raise ArchiveError(f"{path}: not valid JSON ({e}); re-run the stage that writes it") from None
+
+
+def _json_bytes(obj) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode("utf-8")
+
+
+def git_revision(repo: Path = REPO_ROOT) -> dict:
+    """`git rev-parse HEAD` and whether tracked files differ from it."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                capture_output=True, text=True, check=True).stdout
+        return {"revision": rev, "dirty": bool(status.strip())}
+    except (OSError, subprocess.CalledProcessError) as e:
+        log.warning("git revision unavailable: %s", e)
+        return {"revision": None, "dirty": None}
+
+
+def checkpoint_sha256(path: Path) -> dict:
+    """sha256 of the source checkpoint: the file, or every (non-hidden) file of a folder."""
+    path = Path(path)
+    if path.is_file():
+        return {"path": path.name, "sha256": sha256_file(path)}
+    if not path.is_dir():
+        raise ArchiveError(f"checkpoint {path} does not exist; check `model.checkpoint` in params.yaml")
+    files = {rel: sha256_file(path / rel) for rel in _visible_files(path)}
+    combined = hashlib.sha256("".join(f"{k}\0{v}\n" for k, v in sorted(files.items())).encode()).hexdigest()
+    return {"path": path.name, "sha256": combined, "files": files}
+
+
+def _visible_files(folder: Path) -> list[str]:
+    out = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
+        for n in sorted(names):
+            if not n.startswith(".") and not n.endswith(".pyc"):
+                out.append(Path(root, n).relative_to(folder).as_posix())
+    return out
+
+
+@contextlib.contextmanager
+def _private_tmpdir() -> Iterator[Path]:
+    """The archiver stages in `tempfile.gettempdir()/<model-name>` after rmtree'ing it: give each
+    build its own temp dir so parallel builds of the same name cannot collide."""
+    with _ARCHIVER_LOCK, tempfile.TemporaryDirectory(prefix="mar-build-") as private:
+        saved = tempfile.tempdir
+        tempfile.tempdir = private
+        try:
+            yield Path(private)
+        finally:
+            tempfile.tempdir = saved
+
+
+def _stage(files: dict[str, Path | bytes], stage: Path) -> None:
+    """Lay files out under `stage` (name in archive -> source file or content) with fixed mtimes.
+    Source files are symlinked: the archiver copies through links, so big weights are copied once."""
+    for name, src in sorted(files.items()):
+        dst = stage / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(src, bytes):
+            dst.write_bytes(src)
+            os.utime(dst, (FIXED_MTIME, FIXED_MTIME))
+        else:
+            src = Path(src)
+            if not src.is_file():
+                raise ArchiveError(f"{src} is missing; it must be packed as {name}")
+            os.symlink(src.resolve(), dst)
+
+
+def package(model_name: str, entry_handler: Path, files: dict[str, Path | bytes], export_dir: Path, *,
+            config_file: Optional[Path] = None, serialized_file: Optional[str] = None,
+            archive_format: str = "zip-store") -> Path:
+    """torch-model-archiver (Python API): `<export_dir>/<model_name>.mar` with `entry_handler` at the
+    root, `files` laid out by their archive names, and `config_file` as model-config.yaml.
+    `serialized_file` names the root-level entry of `files` the manifest records as the model."""
+    from model_archiver.model_archiver_config import ModelArchiverConfig
+    from model_archiver.model_packaging import generate_model_archive
+
+    export_dir.mkdir(parents=True, exist_ok=True)
+    with _private_tmpdir() as private:
+        stage = private / "stage"
+        stage.mkdir()
+        serialized_src = None
+        if serialized_file is not None:
+            if "/" in serialized_file or not isinstance(files.get(serialized_file), Path):
+                raise ArchiveError(f"serialized file {serialized_file!r} must be a root-level file of the archive")
+            serialized_src = files[serialized_file]
+        # The archiver copies serialized_file itself: keep it out of the staged extras (copied once).
+        _stage({k: v for k, v in files.items() if k != serialized_file}, stage)
+        config_copy = None
+        if config_file is not None:
+            config_copy = private / MODEL_CONFIG       # the manifest names it by its basename
+            shutil.copyfile(config_file, config_copy)
+        handler_copy = private / entry_handler.name
+        shutil.copyfile(entry_handler, handler_copy)
+        cfg = ModelArchiverConfig(
+            model_name=model_name, handler=str(handler_copy), version=MODEL_VERSION,
+            serialized_file=str(serialized_src) if serialized_src else None,
+            extra_files=str(stage), export_path=str(export_dir), archive_format=archive_format,
+            force=True, config_file=str(config_copy) if config_copy else None)
+        generate_model_archive(cfg)
+    # no-archive: the archiver writes the folder form <export_dir>/<model_name>/ instead of a file.
+    mar = export_dir / (model_name if archive_format == "no-archive" else f"{model_name}.mar")
+    if not mar.exists():
+        raise ArchiveError(f"torch-model-archiver did not write {mar}")
+    return mar
+
+
+def archive_contents(mar: Path) -> dict[str, bytes]:
+    """Every file in a .mar (zip) by name."""
+    with zipfile.ZipFile(mar) as z:
+        return {info.filename: z.read(info) for info in z.infolist() if not info.is_dir()}
+
+
+def archive_digests(mar: Path) -> dict[str, str]:
+    """sha256 of every file in a .mar, MANIFEST.json's createdOn blanked (the only varying field)."""
+    out = {}
+    for name, data in archive_contents(mar).items():
+        if name == "MAR-INF/MANIFEST.json":
+            manifest = json.loads(data)
+            manifest.pop("createdOn", None)
+            data = json.dumps(manifest, sort_keys=True).encode()
+        out[name] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+def _handler_files(modules: tuple[str, ...]) -> dict[str, Path]:
+    files = {}
+    for m in modules:
+        src = HANDLERS_DIR / m
+        if src.is_file():
+            files[f"handlers/{m}"] = src
+        elif m != "__init__.py":
+            raise ArchiveError(f"{src} is missing: the serving code must be in the repo")
+    return files
+
+
+def _digests(files: dict[str, Path | bytes]) -> dict[str, str]:
+    return {name: hashlib.sha256(src).hexdigest() if isinstance(src, bytes) else sha256_file(Path(src))
+            for name, src in sorted(files.items())}
+
+
+# --------------------------------------------------------------------------- the optimised archive
+def variant_files(folder: Path, variant: dict) -> dict[str, Path]:
+    """variant.json, its artifact and every file it lists, by name inside the archive."""
+    names = ["variant.json", variant["artifact"], *(variant.get("files") or [])]
+    files = {}
+    for name in names:
+        rel = Path(name)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise ArchiveError(f"{folder}/variant.json lists {name!r}: files must be inside the variant folder")
+        if not (folder / rel).is_file():
+            raise ArchiveError(f"{folder / rel} is listed in variant.json but missing; re-run convert for it")
+        files[rel.as_posix()] = folder / rel
+    return files
+
+
+def build_archive(params: Params, *, selection_path: Path, variants_dir: Path, serve_dir: Path,
+                  env_path: Path, export_dir: Path, archive_format: str = "zip-store",
+                  variant_name: Optional[str] = None) -> ArchiveResult:
+    """The winner's .mar with provenance.json (`variant_name`: another converted variant instead,
+    e.g. the hand-tuned reference's onnx)."""
+    name = params.model.name
+    selection = _read_json(selection_path, "the select stage's decision")
+    winner = variant_name or selection.get("winner")
+    if not winner:
+        raise ArchiveError(f"{selection_path}: no winner ({selection.get('message', 'no message')}); "
+                           f"nothing to archive")
+    folder = variants_dir / winner
+    variant = _read_json(folder / "variant.json", f"the {winner} variant")
+    conversion = _read_json(folder / "conversion.json", f"the {winner} conversion record")
+    if conversion.get("status") != "converted":
+        raise ArchiveError(f"{folder}/conversion.json: winner {winner!r} has status {conversion.get('status')!r}; "
+                           f"only a converted, verified variant can be archived")
+    family = variant.get("family")
+    if family not in ENTRY_HANDLERS:
+        raise ArchiveError(f"{folder}/variant.json: family {family!r} has no handler (known: {', '.join(ENTRY_HANDLERS)})")
+    config_file = serve_dir / MODEL_CONFIG
+    if not config_file.is_file():
+        raise ArchiveError(f"{config_file} is missing; run the configure stage first")
+    derivation_path = serve_dir / "derivation.json"
+    derivation = _read_json(derivation_path, "the configure stage's derivation") if derivation_path.exists() else None
+
+    entry = HANDLERS_DIR / ENTRY_HANDLERS[family]
+    files: dict[str, Path | bytes] = {**variant_files(folder, variant), **_handler_files(SERVING_MODULES)}
+    contents = _digests(files)
+    contents[entry.name] = sha256_file(entry)
+    contents[MODEL_CONFIG] = sha256_file(config_file)
+    provenance = {
+        "model": name,
+        "variant": winner,
+        "family": family,
+        "format": variant.get("format"),
+        "dtype": variant.get("dtype"),
+        "device": variant.get("device"),
+        "handler": entry.name,
+        "source": {"kind": params.model.source, "checkpoint": params.model.checkpoint,
+                   **checkpoint_sha256(checkpoint_path(params))},
+        "verification": {k: conversion.get(k) for k in ("status", "reason", "dtype", "tolerance", "verification",
+                                                         "conversion_s", "artifact_bytes")},
+        "selection": selection,
+        "environment": _read_json(env_path, "the probe stage's fingerprint") if env_path.exists() else None,
+        "derivation": derivation,
+        "git": git_revision(),
+        "archiver": {"torch-model-archiver": _archiver_version(), "format": archive_format},
+        "files": contents,
+    }
+    files[PROVENANCE] = _json_bytes(provenance)
+    mar = package(name, entry, files, export_dir, config_file=config_file,
+                  serialized_file=variant["artifact"], archive_format=archive_format)
+    log.info("archived %s (variant %s, %s handler) -> %s (%.1f MB)", name, winner, family, mar,
+             mar.stat().st_size / 1e6)
+    return ArchiveResult(mar, name, entry.name, {**contents, PROVENANCE: hashlib.sha256(files[PROVENANCE]).hexdigest()},
+                         mar.stat().st_size)
+
+
+def _archiver_version() -> str:
+    from model_archiver import __version__
+    return str(__version__)
+
+
+# --------------------------------------------------------------------------- the naive baseline
+def baseline_files(params: Params, eager_variant: dict, eager_folder: Path) -> tuple[dict[str, Path | bytes], str]:
+    """The files of the baseline .mar: the original checkpoint, the task's extra files and
+    baseline.json telling baseline_handler.py how to build the model. Returns (files, weights name)."""
+    m = params.model
+    ckpt = checkpoint_path(params)
+    files: dict[str, Path | bytes] = {}
+    spec: dict = {"source": m.source, "task": eager_variant["task"],
+                  "inputs": [i["name"] for i in eager_variant.get("inputs", [])],
+                  "outputs": [o["name"] for o in eager_variant.get("outputs", [])]}
+    if m.source == "hf":
+        if not ckpt.is_dir():
+            raise ArchiveError(f"`model.checkpoint` -> {ckpt}: source 'hf' needs a folder")
+        for rel in _visible_files(ckpt):
+            files[rel] = ckpt / rel
+        weights = next((w for w in ("model.safetensors", "pytorch_model.bin") if w in files), None)
+        spec["hf_class"] = "AutoModelForImageClassification" if m.task == "image-classification" else "AutoModel"
+    else:
+        weights = ckpt.name
+        files[weights] = ckpt
+        if m.source == "state_dict":
+            target, _, function = (m.factory or "").rpartition(":")
+            if target.endswith(".py"):
+                factory_file = resolve_path(target)
+                files[factory_file.name] = factory_file
+                spec["factory"] = {"file": factory_file.name, "module": None, "function": function,
+                                   "kwargs": dict(m.factory_kwargs)}
+            else:
+                spec["factory"] = {"file": None, "module": target, "function": function,
+                                   "kwargs": dict(m.factory_kwargs)}
+    spec["weights"] = weights
+    # The task's extra files (tokenizer.json, labels.json...) from the eager variant folder.
+    for rel in eager_variant.get("files") or []:
+        if rel not in files and rel != eager_variant.get("artifact"):
+            files[rel] = eager_folder / rel
+    files[BASELINE_SPEC] = _json_bytes(spec)
+    files.update(_handler_files(BASELINE_MODULES))
+    return files, weights
+
+
+def build_baseline(params: Params, *, variants_dir: Path, baseline_dir: Path,
+                   archive_format: str = "zip-store") -> ArchiveResult:
+    """artifacts/baseline/<name>.mar + config.properties (TorchServe defaults + store + load_models)."""
+    name = params.model.name
+    eager_folder = variants_dir / "eager"
+    eager = _read_json(eager_folder / "variant.json", "the eager variant (the baseline's task settings)")
+    files, weights = baseline_files(params, eager, eager_folder)
+    entry = HANDLERS_DIR / BASELINE_HANDLER
+    mar = package(name, entry, files, baseline_dir, serialized_file=None, archive_format=archive_format)
+    store = baseline_dir.resolve().as_posix()     # forward slashes: java.util.Properties keeps them
+    (baseline_dir / "config.properties").write_text(
+        "# Naive baseline: TorchServe defaults, only what is needed to run.\n"
+        f"model_store={store}\nload_models={name}={mar.name}\n")
+    contents = _digests(files)
+    contents[entry.name] = sha256_file(entry)
+    log.info("baseline archived %s (source %s, weights %s) -> %s", name, params.model.source, weights, mar)
+    return ArchiveResult(mar, name, entry.name, contents, mar.stat().st_size)

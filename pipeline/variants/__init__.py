@@ -1,3 +1,0 @@
-"""Deployment variants: one registered converter class per variant (see base.py)."""
-from pipeline.variants import aoti, eager, int8, onnx, torchscript  # noqa: F401  (each registers its converters)
-from pipeline.variants.base import REGISTRY, Artifact, BuildContext, Converter, get_converter, register  # noqa: F401

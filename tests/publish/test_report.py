@@ -1,0 +1,219 @@
+"""The report stage on synthetic stage outputs that follow docs/artifacts.md."""
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.core.params import REPO_ROOT
+from pipeline.publish.report import collect_inputs, summary_metrics
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+VARIANTS = ["eager", "onnx", "fp16"]
+
+
+def _bench(variant: str, scale: float, status: str = "ok") -> dict:
+    steady = {}
+    for bs in (1, 2, 4, 8):
+        p99 = scale * (4 + 3 * bs)
+        steady[str(bs)] = {"batch_size": bs, "p50_ms": p99 * 0.8, "p90_ms": p99 * 0.9, "p99_ms": p99,
+                           "mean_ms": p99 * 0.8, "stdev_ms": 0.1, "cv": 0.02,
+                           "throughput_sps": 1000 * bs / (p99 * 0.8), "iters": 50, "peak_rss_mb": 300.0,
+                           "peak_gpu_mb": None, "noisy": False}
+    return {"variant": variant, "status": status, "reason": None, "device": "cpu", "threads": 1,
+            "artifact_bytes": 1234567,
+            "cold_load": {"runs": 5, "raw_read_ms": 12.0, "load_floor_ratio": 20.0,
+                          "phases_ms": {"import": {"median": 110 * scale, "max": 130},
+                                        "read": {"median": 15.0, "max": 18},
+                                        "deserialize": {"median": 60 * scale, "max": 70},
+                                        "to_device": {"median": 1.0, "max": 2},
+                                        "first_call": {"median": 20.0, "max": 25},
+                                        "total": {"median": 206 * scale, "max": 240}}},
+            "steady": steady, "stopped_early": None, "peak_rss_mb": 320.0, "noisy": False}
+
+
+def _write(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+
+
+def make_outputs(root: Path, serve_check: bool = True) -> None:
+    """A plausible finished pipeline for model `tiny`: onnx wins, fp16 rejected."""
+    params = {"model": {"name": "tiny", "source": "torchscript", "checkpoint": "m.pt", "task": "tensor",
+                        "input_shape": [4]},
+              "variants": VARIANTS, "serve": {"latency_slo_ms": 40}}
+    _write(root / "params.yaml", yaml.safe_dump(params))
+    a, m = root / "artifacts", root / "metrics"
+    _write(a / "env.json", {"device": "cpu", "cpu": {"model": "Test CPU", "physical_cores": 2, "logical_cores": 2,
+                                                     "isa": {"avx2": True, "avx512f": False}},
+                            "memory_mb": 24000, "gpu": None, "disk_read_mb_s": 900.0,
+                            "versions": {"torch": "2.13.0", "onnxruntime": "1.31.1"}})
+    for v in VARIANTS:
+        rejected = v == "fp16"
+        _write(a / "variants" / v / "conversion.json", {
+            "variant": v, "status": "rejected" if rejected else "converted",
+            "reason": "max abs error 0.3 > atol 0.02 at batch 8" if rejected else None,
+            "conversion_s": 0.5, "artifact_bytes": 1000, "dtype": "float16" if rejected else "float32",
+            "tolerance": {"atol": 1e-4, "rtol": 1e-3, "min_cosine": 0.99999},
+            "verification": {"batch_sizes": [1, 8], "outputs": [
+                {"name": "out", "max_abs": 0.3 if rejected else 1e-6, "max_rel": 1e-5, "min_cosine": 0.99999,
+                 "topk_agreement": None}], "worst": None}})
+    _write(m / "benchmark" / "eager.json", _bench("eager", 1.0))
+    _write(m / "benchmark" / "onnx.json", _bench("onnx", 0.6))
+    _write(m / "benchmark" / "fp16.json", {"variant": "fp16", "status": "skipped",
+                                            "reason": "conversion rejected", "steady": {}})
+    _write(a / "selection.json", {
+        "winner": "onnx", "objective": "throughput", "slo_met": True, "message": "onnx: highest throughput within SLO",
+        "variants": {"onnx": {"status": "winner", "reasons": [], "figures": {}},
+                     "eager": {"status": "eligible", "reasons": ["throughput 40% below onnx"], "figures": {}},
+                     "fp16": {"status": "rejected", "reasons": ["verification failed: max abs 0.3 > 0.02"],
+                              "figures": {}}}})
+    _write(a / "serve" / "model-config.yaml", yaml.safe_dump({
+        "minWorkers": 2, "maxWorkers": 2, "batchSize": 4, "maxBatchDelay": 5, "responseTimeout": 5,
+        "startupTimeout": 30, "handler": {"threads": 1, "device": "cpu"}}, sort_keys=False))
+    _write(a / "serve" / "derivation.json", {
+        "batchSize": {"value": 4, "formula": "largest batch with p99 + delay <= SLO", "inputs": {"p99_ms": 9.6},
+                      "overridden": False},
+        "startupTimeout": {"value": 30, "formula": "max(floor, worst_load*safety+margin)",
+                           "inputs": {"worst_load_s": 0.15}, "overridden": False}})
+    _write(a / "serve" / "config.properties", "inference_address=http://127.0.0.1:8080\nload_models=tiny=tiny.mar\n")
+    _write(a / "serve" / "start_command.txt", "torchserve --start --ncs --model-store artifacts/model_store "
+                                             "--models tiny=tiny.mar --ts-config artifacts/serve/config.properties\n")
+    mar = a / "model_store" / "tiny.mar"
+    mar.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(mar, "w") as z:
+        z.writestr("MAR-INF/MANIFEST.json", json.dumps({"model": {"modelName": "tiny", "modelVersion": "1.0"}}))
+        z.writestr("model.onnx", b"\0" * 100)
+    if serve_check:
+        _write(m / "serve_check.json", {
+            "ready_s": 2.5, "worker_load_ms": 1500, "first_request_ms": 20, "parity_ok": True,
+            "max_abs_error": 2e-7, "requests_sent": 320, "requests_ok": 320, "errors_5xx": 0, "p50_ms": 30,
+            "p99_ms": 90, "throughput_rps": 240.0, "batch_sizes_seen": [1, 4],
+            "bad_inputs": [{"case": "invalid_json", "status": 400}, {"case": "empty_body", "status": 400}],
+            "baseline": {"ready_s": 5.7, "p99_ms": 3500, "throughput_rps": 11.0},
+            "ratios": {"load": 0.44, "throughput": 21.8, "p99": 0.026}})
+
+
+def run_stage(root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "MPLBACKEND": "Agg"}
+    return subprocess.run([sys.executable, "-m", "stages.report", "--root", str(root)], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_report_stage_renders_md_html_and_summary(tmp_path):
+    make_outputs(tmp_path)
+    r = run_stage(tmp_path)
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "reports" / "report.md").read_text()
+    page = (tmp_path / "reports" / "report.html").read_text()
+
+    # Every image the markdown references exists, is a PNG and non-empty; all four plots are there.
+    refs = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
+    assert sorted(Path(r).name for r in refs) == ["cold_load.png", "latency.png", "serve_check.png", "throughput.png"]
+    for ref in refs:
+        png = (tmp_path / "reports" / ref)
+        assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 2000
+
+    # The HTML opens offline: no external reference at all, every image inlined and decodable.
+    assert not re.search(r"""(src|href)\s*=\s*["'](https?:)?//""", page)
+    assert "<script" not in page
+    srcs = re.findall(r'<img [^>]*src="([^"]+)"', page)
+    assert len(srcs) == 4
+    for src in srcs:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == PNG_MAGIC
+
+    # Decision, every variant with its status and reasons, derivation, start command, environment.
+    page_text = html.unescape(re.sub(r"<[^>]+>", "", page))
+    md_text = md.replace("**", "").replace("`", "")
+    for text in ("Winner: onnx", "verification failed: max abs 0.3 > 0.02", "throughput 40% below onnx",
+                 "largest batch with p99 + delay <= SLO", "torchserve --start --ncs", "Test CPU",
+                 "Authorization: Bearer", "invalid_json", "sha256"):
+        assert text in page_text and text in md_text, text
+    assert "<strong>onnx</strong>" in page
+    assert "| fp16 | rejected | skipped | rejected |" in md
+
+    summary = json.loads((tmp_path / "metrics" / "summary.json").read_text())
+    onnx = _bench("onnx", 0.6)["steady"]["4"]
+    assert summary["winner"] == "onnx" and summary["slo_met"] is True and summary["batch_size"] == 4
+    assert summary["p99_ms"] == pytest.approx(onnx["p99_ms"])
+    assert summary["throughput_sps"] == pytest.approx(onnx["throughput_sps"])
+    assert summary["cold_load_ms"] == pytest.approx(206 * 0.6)
+    assert summary["serve_check"]["ratio_throughput"] == 21.8 and summary["serve_check"]["parity_ok"] is True
+    assert "wrote" in r.stderr and "report.html" in r.stderr   # the stage says where it wrote
+
+
+def test_report_without_serve_check_says_so(tmp_path):
+    make_outputs(tmp_path, serve_check=False)
+    (tmp_path / "metrics" / "benchmark" / "eager.json").unlink()     # and one benchmark missing too
+    r = run_stage(tmp_path)
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "reports" / "report.md").read_text()
+    assert "Serve check not run" in md
+    assert "metrics/serve_check.json" in md and "metrics/benchmark/eager.json" in md   # named as missing
+    assert not (tmp_path / "reports" / "img" / "serve_check.png").exists()
+    assert (tmp_path / "reports" / "img" / "latency.png").stat().st_size > 0
+    summary = json.loads((tmp_path / "metrics" / "summary.json").read_text())
+    assert summary["serve_check"] == {"ran": False} and summary["winner"] == "onnx"
+
+
+def test_report_on_empty_tree_still_renders(tmp_path):
+    make_outputs(tmp_path)
+    for sub in ("artifacts", "metrics"):
+        import shutil
+        shutil.rmtree(tmp_path / sub)
+    r = run_stage(tmp_path)
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "reports" / "report.md").read_text()
+    assert "No decision yet" in md and "No plots" in md
+    assert not list((tmp_path / "reports").glob("img/*.png"))
+
+
+def test_corrupt_input_is_a_clear_error(tmp_path):
+    make_outputs(tmp_path)
+    (tmp_path / "artifacts" / "selection.json").write_text("{not json")
+    r = run_stage(tmp_path)
+    assert r.returncode == 2
+    assert "selection.json" in r.stderr and "not valid JSON" in r.stderr and "dvc repro" in r.stderr
+
+
+def test_summary_falls_back_to_best_batch_without_config(tmp_path):
+    make_outputs(tmp_path, serve_check=False)
+    (tmp_path / "artifacts" / "serve" / "model-config.yaml").unlink()
+    (tmp_path / "artifacts" / "serve" / "derivation.json").unlink()
+    inputs = collect_inputs(tmp_path, "tiny", 40.0, VARIANTS)
+    s = summary_metrics(inputs)
+    steady = _bench("onnx", 0.6)["steady"]
+    best = max(steady.values(), key=lambda r: r["throughput_sps"])
+    assert s["batch_size"] is None and s["throughput_sps"] == pytest.approx(best["throughput_sps"])
+    assert inputs.mar["model_version"] == "1.0" and len(inputs.mar["sha256"]) == 64
+
+
+def _served_inputs(winner_p99: float, concurrency: int = 16):
+    from pipeline.publish.report import ReportInputs
+    tuning = {"enabled": True, "slo_met": True, "served_p99_ms": 80.0, "served_throughput_rps": 300.0,
+              "expected_concurrency": 16}
+    refs = {"concurrency": concurrency, "setups": {"winner": {"p99_ms": winner_p99, "within_slo": winner_p99 <= 100}}}
+    return ReportInputs(model_name="tiny", latency_slo_ms=100.0, variants=VARIANTS, selection={"slo_met": True},
+                        tuning=tuning, serve_check={"references": refs})
+
+
+def test_served_slo_verdict_must_hold_in_serve_check_too():
+    from pipeline.publish.report import served_verdict
+    ok = served_verdict(_served_inputs(90.0))
+    assert ok["slo_met"] is True and ok["serve_check_confirms_slo"] is True and ok["slo_basis"] == "served"
+    # the archived winner missed the SLO in serve_check's rounds at the same load: not met
+    miss = served_verdict(_served_inputs(140.0))
+    assert miss["slo_met"] is False and miss["served_p99_ms"] == 140.0 and miss["slo_basis"] == "served (serve_check)"
+    # measured at another load: it neither confirms nor overturns the tune stage's verdict
+    other = served_verdict(_served_inputs(140.0, concurrency=32))
+    assert other["slo_met"] is True and "serve_check_confirms_slo" not in other

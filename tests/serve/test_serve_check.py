@@ -1,0 +1,316 @@
+"""pipeline/serve/serve_check.py and stages/serve_check.py.
+
+Pure logic first (response comparison, bad-input cases, inputs), then the checks against a real
+TorchServe serving the tiny double model of tests/serve/test_torchserve.py, and the stage end to end
+(winner + baseline, metrics/serve_check.json) on a tiny .mar with hand-written golden cases.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+
+import numpy as np
+import pytest
+
+from pipeline.decide.properties import write_config_properties
+from pipeline.serve.serve_check import (HttpCase, ServerSpec, bad_input_cases, check_bad_inputs, check_parity,
+                                  compare_response, load_http_cases, run_load, tolerance_from_mar)
+from pipeline.serve.torchserve import TorchServe
+from tests.serve.test_torchserve import DERIVED, assert_nothing_left, build_mar
+
+needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
+
+CASES = [HttpCase(f"c{i}", "application/json", json.dumps(x).encode(), [2 * v for v in x])
+         for i, x in enumerate([[1, 2, 3], [0.5, -1.25, 4], [10, 20, 30], [-3, 0, 3], [7, 7, 7], [1e-3, 2, 5]])]
+
+
+# --------------------------------------------------------------------------- logic
+def test_compare_numbers_nested_and_types():
+    assert compare_response([1.0, [2.0]], [1.0, [2.0]], 1e-6, 0)[0]
+    ok, err, msg = compare_response([1.0, [2.01]], [1.0, [2.0]], 1e-3, 0)
+    assert not ok and err == pytest.approx(0.01) and "response[1][0]" in msg
+    assert compare_response([1.0, [2.01]], [1.0, [2.0]], 0, 0.01)[0]          # relative tolerance
+    assert not compare_response({"embedding": [1, 2]}, {"embedding": [1, 2, 3]}, 1, 1)[0]
+    assert not compare_response({"embedding": "x"}, {"embedding": [1.0]}, 1, 1)[0]
+    assert not compare_response({"a": 1}, {"b": 1}, 1, 1)[0]
+    assert not compare_response([float("nan")], [1.0], 1, 1)[0]
+
+
+def test_compare_top_k_tolerates_swapped_near_ties_not_a_new_winner():
+    exp = {"top_k": [{"index": 3, "label": "c", "probability": 0.6},
+                     {"index": 1, "label": "a", "probability": 0.2000},
+                     {"index": 2, "label": "b", "probability": 0.1999}]}
+    swapped = {"top_k": [exp["top_k"][0], exp["top_k"][2], exp["top_k"][1]]}
+    assert compare_response(swapped, exp, 1e-3, 0)[0]
+    new_winner = {"top_k": [exp["top_k"][1], exp["top_k"][0], exp["top_k"][2]]}
+    ok, _, msg = compare_response(new_winner, exp, 1, 1)
+    assert not ok and "top-1" in msg
+    off = json.loads(json.dumps(exp))
+    off["top_k"][0]["probability"] = 0.5
+    assert not compare_response(off, exp, 1e-3, 0)[0]
+
+
+def test_bad_input_cases_per_task():
+    tensor_cases = [HttpCase("t", "application/json", json.dumps(np.zeros((2, 3)).tolist()).encode())]
+    bad = {b.id: b for b in bad_input_cases("tensor", tensor_cases, 100)}
+    assert {"empty_body", "over_size_limit", "invalid_json", "wrong_content_type", "wrong_shape",
+            "wrong_dtype"} <= set(bad)
+    assert len(bad["over_size_limit"].body) == 101 and bad["empty_body"].body == b""
+    assert np.asarray(json.loads(bad["wrong_shape"].body)).shape != (2, 3)
+    assert np.asarray(json.loads(bad["wrong_dtype"].body)).shape == (2, 3)
+    with pytest.raises(ValueError):
+        json.loads(bad["invalid_json"].body)
+    image = {b.id for b in bad_input_cases("image-classification", [HttpCase("i", "image/png", b"png")], 10)}
+    assert {"undecodable_image", "wrong_content_type", "invalid_json"} <= image
+    text = {b.id for b in bad_input_cases("text-embedding", [HttpCase("s", "application/json", b"{}")], 10)}
+    assert {"wrong_type", "wrong_content_type", "invalid_json"} <= text
+    with pytest.raises(ValueError, match="unknown task"):
+        bad_input_cases("audio", tensor_cases, 10)
+
+
+def test_load_http_cases_and_tolerance_from_mar(tmp_path):
+    (tmp_path / "bodies").mkdir()
+    (tmp_path / "bodies" / "a.png").write_bytes(b"\x89PNG")
+    (tmp_path / "http_cases.json").write_text(json.dumps([
+        {"id": "s", "content_type": "text/plain", "body": "hello", "expected": {"embedding": [1]}},
+        {"id": "f", "content_type": "image/png", "body_file": "bodies/a.png", "expected": None},
+        {"id": "j", "content_type": "application/json", "body": {"input": [1]}, "expected": [2]}]))
+    cases = load_http_cases(tmp_path / "http_cases.json")
+    assert [c.body for c in cases] == [b"hello", b"\x89PNG", b'{"input": [1]}']
+    with pytest.raises(FileNotFoundError, match="prepare stage"):
+        load_http_cases(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text(json.dumps([{"id": "x"}]))
+    with pytest.raises(ValueError, match="neither `body` nor `body_file`"):
+        load_http_cases(tmp_path / "bad.json")
+
+    mar = tmp_path / "m.mar"
+    with zipfile.ZipFile(mar, "w") as z:
+        z.writestr("provenance.json", json.dumps({"verification": {"tolerance": {"atol": 0.02, "rtol": 0.05}}}))
+    assert tolerance_from_mar(mar) == {"atol": 0.02, "rtol": 0.05}
+    with zipfile.ZipFile(tmp_path / "plain.mar", "w") as z:
+        z.writestr("MAR-INF/MANIFEST.json", "{}")
+    assert tolerance_from_mar(tmp_path / "plain.mar") is None
+
+
+# --------------------------------------------------------------------------- real TorchServe
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sc_served")
+    store = root / "store"
+    derived = {**DERIVED, "max_batch_delay_ms": 50, "startup_timeout_s": 30, "job_queue_size": 1000}
+    build_mar(store, "double", {"handler": {"length": 3}}, derivation=derived)
+    config = write_config_properties(root / "config.properties", derived, model_name="double", model_store=store)
+    ts = TorchServe(config, store, "double", workdir=root / "server")
+    with ts:
+        yield ts
+    assert_nothing_left(ts)
+
+
+@pytest.mark.torchserve
+@needs_java
+def test_parity_passes_and_a_wrong_reference_fails(served):
+    good = check_parity(served, CASES, atol=1e-6, rtol=0, concurrency=4)
+    assert good["ok"] and good["max_abs_error"] == 0 and not good["failures"]
+    wrong = CASES[:2] + [HttpCase("off", "application/json", b"[1, 2, 3]", [2, 4, 6.5])]
+    bad = check_parity(served, wrong, atol=1e-6, rtol=0, concurrency=4)
+    assert not bad["ok"] and bad["max_abs_error"] == pytest.approx(0.5)
+    assert {f["id"] for f in bad["failures"]} == {"off"}       # one by one and concurrently
+    assert len(bad["failures"]) == 2
+
+
+@pytest.mark.torchserve
+@needs_java
+def test_bad_inputs_sent_with_valid_ones(served):
+    bad = bad_input_cases("tensor", CASES, max_request_size=4096)
+    res = check_bad_inputs(served, bad, CASES, atol=1e-6, rtol=0)
+    statuses = {c["id"]: c["status"] for c in res["cases"]}
+    assert all(400 <= s < 500 for s in statuses.values()), statuses
+    assert statuses["over_size_limit"] == 413
+    assert res["worker_stayed_up"] and not res["valid_alongside_failed"] and res["ok"]
+    assert res["valid_alongside"] == len(bad)
+    assert res["mixed_batches"] >= 1          # a bad request shared a batch with valid ones
+
+
+@pytest.mark.torchserve
+@needs_java
+def test_bounded_load_answers_everything_and_sees_batches(served):
+    r = run_load(served, CASES, requests=48, concurrency=6, time_cap_s=120)
+    assert r.requests_sent == r.requests_answered == r.requests_ok == 48
+    assert r.lost == 0 and r.errors_5xx == 0 and not r.stopped_by_time_cap
+    assert r.p50_ms <= r.p99_ms and r.throughput_rps > 0
+    sizes = {int(k): v for k, v in r.batch_sizes_seen.items()}
+    assert sum(k * v for k, v in sizes.items()) == 48 and max(sizes) <= 4
+    assert r.mean_batch_size > 1       # 6 clients against a 50 ms batch window
+
+
+@pytest.mark.torchserve
+@needs_java
+def test_load_stops_at_the_time_cap(served):
+    r = run_load(served, CASES, requests=10 ** 6, concurrency=2, time_cap_s=1.0)
+    assert r.stopped_by_time_cap and 0 < r.requests_sent < 10 ** 6
+    assert r.requests_sent == r.requests_answered == r.requests_ok
+
+
+# --------------------------------------------------------------------------- the stage, end to end
+@pytest.mark.torchserve
+@needs_java
+def test_stage_end_to_end_winner_vs_baseline(tmp_path, monkeypatch):
+    """Issue 6 Done-when 3: the stage on a tiny model in real TorchServe (own handler, hand-written
+    golden cases), winner and baseline in one run, metrics/serve_check.json written."""
+    import stages.serve_check as stage
+
+    store, serve, baseline, golden = (tmp_path / d for d in ("model_store", "serve", "baseline", "golden"))
+    derived = {**DERIVED, "max_batch_delay_ms": 20, "startup_timeout_s": 30, "job_queue_size": 1000}
+    build_mar(store, "double", {"handler": {"length": 3}}, derivation=derived)
+    write_config_properties(serve / "config.properties", derived, model_name="double", model_store=store)
+    # The baseline: same handler, no model-config settings, TorchServe defaults.
+    build_mar(baseline, "double", {"handler": {"length": 3}})
+    (baseline / "config.properties").write_text(f"model_store={baseline}\nload_models=double=double.mar\n")
+    golden.mkdir()
+    (golden / "http_cases.json").write_text(json.dumps(
+        [{"id": c.id, "content_type": c.content_type, "body": c.body.decode(), "expected": c.expected}
+         for c in CASES]))
+    params = tmp_path / "params.yaml"
+    params.write_text(json.dumps({
+        "model": {"name": "double", "source": "state_dict", "checkpoint": "unused.pt",
+                  "factory": "unused.py:build", "task": "tensor", "input_shape": [3]},
+        "serve_check": {"requests": 40, "concurrency": 4, "time_cap_s": 60, "rounds": 2, "decided_band": 0}}))
+    out = tmp_path / "metrics" / "serve_check.json"
+    monkeypatch.setenv("PIPELINE_PARAMS", str(params))
+    for name, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("BASELINE_DIR", baseline),
+                        ("GOLDEN_DIR", golden), ("SERVE_CHECK_JSON", out), ("HANDTUNED_DIR", tmp_path / "handtuned")):
+        monkeypatch.setattr(stage, name, value)
+
+    assert stage.main([]) == 0
+    rec = json.loads(out.read_text())
+    for key in ("ready_s", "worker_load_ms", "first_request_ms", "parity_ok", "max_abs_error", "requests_sent",
+                "requests_ok", "errors_5xx", "p50_ms", "p99_ms", "throughput_rps", "batch_sizes_seen",
+                "bad_inputs", "baseline", "ratios"):
+        assert key in rec, key
+    assert rec["ok"] and rec["parity_ok"] and rec["failures"] == []
+    assert rec["token_authorization"] is True
+    assert rec["requests_sent"] == rec["requests_ok"] == 40 and rec["errors_5xx"] == 0
+    assert all(400 <= s < 500 for s in rec["bad_inputs"].values())
+    assert rec["settings"]["batchSize"] == 4 and rec["baseline"]["settings"]["batchSize"] == 1
+    assert rec["baseline"]["requests_ok"] == 40
+    for k in ("load", "throughput", "p99"):
+        assert rec["ratios"][k] > 0
+    assert rec["ratios"]["load"] == pytest.approx(rec["ready_s"] / rec["baseline"]["ready_s"])
+    # Winner and baseline again in a second, interleaved round; no hand-tuned reference for this model.
+    refs = rec["references"]
+    assert set(refs["setups"]) == {"winner", "baseline"} and refs["ratios_handtuned"] is None
+    assert [r["round"] for r in refs["setups"]["winner"]["rounds"]] == [1, 2]
+    assert all(r["ok"] for s in refs["setups"].values() for r in s["rounds"])
+    assert refs["ratios_baseline"]["throughput"] > 0 and not refs["handtuned_setup"]["available"]
+    # Both servers gone.
+    from pipeline.serve.torchserve import processes_of
+    for detail in (rec["winner"], rec["baseline_detail"]):
+        assert processes_of(__import__("pathlib").Path(detail["server_dir"])) == []
+
+
+@pytest.mark.torchserve
+@needs_java
+def test_stage_fails_when_the_model_never_becomes_ready(tmp_path, monkeypatch):
+    import stages.serve_check as stage
+
+    store, serve, golden = tmp_path / "model_store", tmp_path / "serve", tmp_path / "golden"
+    build_mar(store, "double", {"minWorkers": 1, "maxWorkers": 1, "startupTimeout": 30, "responseTimeout": 5,
+                                "handler": {"fail_on_load": True}})
+    out = serve_check_inputs(tmp_path, monkeypatch, "double", store, serve, golden)
+    assert stage.main([]) == 1
+    rec = json.loads(out.read_text())
+    assert not rec["ok"] and not rec["ready"]
+    assert "never became READY" in rec["failures"][0] and "missing_dependency_for_test" in rec["failures"][0]
+
+
+@pytest.mark.torchserve
+@needs_java
+def test_stage_end_to_end_on_real_handlers_and_archive(tmp_path, monkeypatch, tensor_params):
+    """Issue 6 Done-when 3 with the real parts: the committed tensor example archived by
+    pipeline/serve/archive.py (handlers/ torch handler + naive baseline handler), golden cases from
+    pipeline/model/golden.py, config from pipeline/decide/properties.py, checked by the stage."""
+    import stages.serve_check as stage
+    from pipeline.serve.archive import build_archive, build_baseline
+    from pipeline.model.checkpoint import load_model
+    from pipeline.model.golden import write_golden
+    from tests.serve.test_archive import build_stage_inputs
+
+    art = tmp_path / "artifacts"
+    inputs = build_stage_inputs(art, tensor_params)
+    store, baseline, golden = art / "model_store", art / "baseline", art / "golden"
+    build_archive(tensor_params, export_dir=store, **inputs)
+    build_baseline(tensor_params, variants_dir=inputs["variants_dir"], baseline_dir=baseline)
+    write_golden(tensor_params, load_model(tensor_params), golden)
+    derived = {**DERIVED, "max_batch_delay_ms": 5, "startup_timeout_s": 60, "response_timeout_s": 30,
+               "job_queue_size": 1000, "max_request_size": 200000, "max_request_bytes": 200000}
+    write_config_properties(inputs["serve_dir"] / "config.properties", derived, model_name="signalnet",
+                            model_store=store)
+    params = tmp_path / "params.yaml"
+    params.write_text(json.dumps({
+        "model": {"name": "signalnet", "source": "state_dict", "checkpoint": "examples/tensor/weights.safetensors",
+                  "factory": "examples/tensor/model.py:build", "task": "tensor", "input_shape": [16, 32]},
+        "serve_check": {"requests": 32, "concurrency": 4, "time_cap_s": 60, "rounds": 1}}))
+    out = tmp_path / "serve_check.json"
+    monkeypatch.setenv("PIPELINE_PARAMS", str(params))
+    for name, value in (("MODEL_STORE", store), ("SERVE_DIR", inputs["serve_dir"]), ("BASELINE_DIR", baseline),
+                        ("GOLDEN_DIR", golden), ("SERVE_CHECK_JSON", out)):
+        monkeypatch.setattr(stage, name, value)
+
+    rc = stage.main([])
+    rec = json.loads(out.read_text())
+    assert rc == 0, rec["failures"]
+    assert rec["parity_ok"] and rec["max_abs_error"] <= 1e-4
+    assert rec["requests_sent"] == rec["requests_ok"] == 32 and rec["errors_5xx"] == 0
+    assert {"wrong_shape", "wrong_dtype", "invalid_json", "empty_body", "over_size_limit"} <= set(rec["bad_inputs"])
+    assert all(400 <= s < 500 for s in rec["bad_inputs"].values()), rec["bad_inputs"]
+    assert rec["baseline"]["ready"] and rec["baseline"]["requests_ok"] == 32
+    assert all(rec["ratios"][k] > 0 for k in ("load", "throughput", "p99"))
+
+
+def serve_check_inputs(tmp_path, monkeypatch, name: str, store, serve, golden, derivation: dict | None = None):
+    """The serve_check stage's inputs around an already built .mar of a tensor model (one golden
+    case, no baseline), its module paths pointed at them; returns where the record will be written."""
+    import stages.serve_check as stage
+    serve.mkdir()
+    (serve / "config.properties").write_text("default_workers_per_model=1\n")
+    if derivation is not None:
+        (serve / "derivation.json").write_text(json.dumps(derivation))
+    golden.mkdir()
+    (golden / "http_cases.json").write_text(json.dumps(
+        [{"id": "c0", "content_type": "application/json", "body": "[1, 2, 3]", "expected": [2, 4, 6]}]))
+    params = tmp_path / "params.yaml"
+    params.write_text(json.dumps({
+        "model": {"name": name, "source": "state_dict", "checkpoint": "unused.pt",
+                  "factory": "unused.py:build", "task": "tensor", "input_shape": [3]},
+        "serve_check": {"requests": 4, "concurrency": 2, "baseline": False}}))
+    out = tmp_path / "serve_check.json"
+    monkeypatch.setenv("PIPELINE_PARAMS", str(params))
+    for attr, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("GOLDEN_DIR", golden),
+                        ("SERVE_CHECK_JSON", out)):
+        monkeypatch.setattr(stage, attr, value)
+    return out
+
+
+def _served(ready_s, rps, p99_ms):
+    return {"ready": True, "ready_s": ready_s, "load": {"requests_ok": 40, "throughput_rps": rps, "p99_ms": p99_ms,
+                                                       "p50_ms": p99_ms / 2}}
+
+
+def test_a_reference_is_served_again_only_while_its_comparison_is_undecided():
+    """bert-large's run: the naive baseline at 1/22 the throughput and 2.2x the READY, the hand-tuned
+    at 1/2.6 and 2.7x: both decided after round 1, so no second round is served (no server is even
+    started here); READY within 25% of parity keeps a reference in the next round."""
+    from pipeline.serve.reference_rounds import interleaved_rounds, undecided
+    first = {"winner": _served(3.9, 42.0, 390.0), "handtuned": _served(10.5, 16.8, 1706.0),
+             "baseline": _served(8.8, 1.9, 9260.0)}
+    setups = interleaved_rounds({name: None for name in first}, [], task="text-embedding", rounds=2, requests=320,
+                                concurrency=16, time_cap_s=30, slo_ms=200, first_round=first, decided_band=0.25)
+    assert {n: len(s["rounds"]) for n, s in setups.items()} == {"winner": 1, "handtuned": 1, "baseline": 1}
+    per = {"winner": [dict(_served(2.9, 300.0, 80.0), ok=True)],
+           "handtuned": [dict(_served(3.1, 200.0, 120.0), ok=True)],     # READY 0.94x: undecided
+           "baseline": [dict(_served(6.0, 30.0, 900.0), ok=True)]}
+    per = {n: [{"ok": True, "ready_s": r["ready_s"], "throughput_rps": r["load"]["throughput_rps"],
+                "p99_ms": r["load"]["p99_ms"]} for r in rs] for n, rs in per.items()}
+    assert undecided(per, 0.25) == ["handtuned"]
+    assert undecided(per, 0.0) == ["handtuned", "baseline"]
