@@ -21,8 +21,11 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 java:
 	@bash scripts/ensure_java.sh
 
+# After the run: the clone's disk against the checkpoint, every cached output checked to be linked
+# into DVC's cache (relinked when DVC left a copy): metrics/disk.json.
 repro: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc repro
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/disk_account.py
 
 test: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q $(PYTEST_ARGS)

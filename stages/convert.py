@@ -13,9 +13,26 @@ import sys
 from pathlib import Path
 
 from pipeline.core.params import VARIANTS, load_params
+from pipeline.build.disk_plan import human
 from pipeline.core.paths import GOLDEN_DIR, variant_dir
 
 log = logging.getLogger("stages.convert")
+
+
+def disk_plan_of(params):
+    """The run's disk plan as of now: variants already in the workspace add nothing."""
+    from pipeline.build.disk_plan import (built_variants, default_scratch, dvc_cache_settings, plan_run,
+                                          weight_bytes)
+    from pipeline.build.variants.export_cache import cache_root
+    from pipeline.core.params import REPO_ROOT, checkpoint_path
+    from pipeline.core.paths import VARIANTS_DIR
+    cache, types = dvc_cache_settings(REPO_ROOT)
+    return plan_run(weight_bytes(checkpoint_path(params)), params.variants, REPO_ROOT, cache, default_scratch(),
+                    cache_root(), types, already_built=built_variants(VARIANTS_DIR, params.variants))
+
+
+def is_disk_full(reason: str) -> bool:
+    return "No space left on device" in reason or "Errno 28" in reason or "ENOSPC" in reason
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.accuracy.verify import tolerance_for
     dtype = get_converter(args.variant).dtype
     out = args.out or variant_dir(args.variant)
+    if args.out is None:
+        plan = disk_plan_of(params)
+        log.info("disk plan: %s", ", ".join(f"{m}: needs {human(n)}, {human(plan.free[m])} free"
+                                            for m, n in plan.required.items()))
+        if not plan.ok:
+            log.error("%s", plan.message())
+            return 2
     log.info("converting %s (timeout %s s) into %s", args.variant, params.conversion.timeout_s, out)
     record = convert_isolated(args.variant, out, args.golden, params.conversion.timeout_s,
                               dtype=dtype, tol=tolerance_for(params, dtype))
@@ -43,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
              record.get("verification_s"), record.get("artifact_bytes"), v.get("batch_sizes"),
              figures or "no verification", out)
     code = stage_exit_code(args.variant, record["status"])
+    if record["status"] == "failed" and is_disk_full(record.get("reason") or ""):
+        # The next conversions would fail the same way: stop the run here, with what to do.
+        log.error("%s: the disk filled up while converting. %s", args.variant,
+                  disk_plan_of(params).message() if args.out is None else "free space and re-run")
+        return 3
     if code:
         log.error("the eager reference variant is %s: the pipeline cannot continue without it", record["status"])
     return code

@@ -4,7 +4,11 @@ Every stage script ends in `sys.exit(run_timed("<stage>", main))`, which writes
 `metrics/stages/<stage>.json` (`metrics/stages/<stage>/<item>.json` for a foreach stage) — a
 non-cached DVC output of that stage — when the stage finishes, whatever its exit code:
 
-    {"stage", "item", "wall_s", "exit_code", "peak_rss_mb": {"stage", "children"}, "started_at"}
+    {"stage", "item", "wall_s", "exit_code", "peak_rss_mb": {"stage", "children"}, "started_at",
+     "outputs": {"files", "bytes", "on_disk_bytes", "linked_files"}}
+
+`outputs` is what the stage wrote into its declared outputs (dvc.yaml's `outs`), as the filesystem
+counts it (pipeline/core/disk.py): `bytes` every name counted, `on_disk_bytes` each inode once.
 
 `peak_rss_mb.stage` is the stage process's own peak resident memory, `children` the largest peak
 of the processes it started and waited for (conversion workers, fresh benchmark processes; not
@@ -23,6 +27,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
+from pipeline.core.disk import footprint
+from pipeline.core.params import REPO_ROOT
 from pipeline.core.paths import METRICS
 
 STAGE_METRICS = METRICS / "stages"
@@ -48,6 +54,22 @@ def _root_from_argv(argv: list[str]) -> Path:
     return Path(os.environ.get("PIPELINE_STAGE_METRICS") or STAGE_METRICS)
 
 
+def declared_outputs(stage: str, item: Optional[str] = None, repo: Path = REPO_ROOT) -> list[Path]:
+    """The stage's `outs` in dvc.yaml (`${item}` filled in), its own metrics record left out."""
+    import yaml
+    try:
+        spec = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"][stage]
+    except (OSError, KeyError, TypeError, ValueError):
+        return []
+    outs = []
+    for entry in spec.get("do", spec).get("outs") or []:
+        path = next(iter(entry)) if isinstance(entry, dict) else entry
+        path = str(path).replace("${item}", item or "")
+        if not path.startswith("metrics/stages"):
+            outs.append(repo / path)
+    return outs
+
+
 def run_timed(stage: str, main: Callable[[], Optional[int]], item: Optional[str] = None,
               root: Optional[Path] = None) -> int:
     """Run a stage's `main()` and write its record; returns main's exit code (an exception is
@@ -64,6 +86,8 @@ def run_timed(stage: str, main: Callable[[], Optional[int]], item: Optional[str]
                "peak_rss_mb": {"stage": _peak_rss_mb(resource.RUSAGE_SELF),
                                "children": _peak_rss_mb(resource.RUSAGE_CHILDREN)},
                "started_at": started.isoformat(timespec="seconds")}
+        if root == STAGE_METRICS:            # the pipeline's own run (not a test's or another tree's)
+            rec["outputs"] = footprint(declared_outputs(stage, item)).as_dict()
         path = record_path(stage, item, root)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(rec, indent=2) + "\n")
