@@ -47,7 +47,8 @@ def unlinked(paths: list[Path]) -> int:
     count = 0
     for top in paths:
         files = [top] if top.is_file() else [p for p in top.rglob("*") if p.is_file() and not p.is_symlink()]
-        count += sum(1 for f in files if f.stat().st_nlink == 1)
+        # DVC does not link empty files (nothing to share).
+        count += sum(1 for f in files if f.stat().st_nlink == 1 and f.stat().st_size > 0)
     return count
 
 
