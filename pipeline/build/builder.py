@@ -6,7 +6,8 @@ outcome writes `conversion.json` (docs/artifacts.md):
 - rejected: an artifact was built but missed the golden set (the reason names the worst element);
 - failed: no artifact could be built (the reason is the real exception; the traceback tail is kept).
 - skipped: the plan's screen (pipeline/build/plan.py) measured the built artifact's batch-1 call too slow
-  against eager's on this device; verification never ran (the reason holds the figures).
+  against eager's on this device, at the steady state or past the screen's time cap; verification
+  never ran (the reason holds the figures and says which was measured).
 A folder that is not `converted` keeps only conversion.json, so nothing downstream can load it.
 Conversion, screen and verification seconds are recorded separately (`conversion_s`, `screen_s`,
 `verification_s`).

@@ -5,20 +5,24 @@ Two inputs, both recorded:
 - the ISA flags of artifacts/env.json, through `Converter.host_unsuitable(env)`: e.g. fp16 on a CPU
   without AVX512-FP16/AMX-FP16 is emulated (converted to fp32 per op), bf16 likewise without
   AVX512-BF16/AMX-BF16. A flag only says why a variant may be slow; it never decides alone.
-- a measured batch-1 call: once the artifact is built (seconds) and before verification, the
-  golden batch-1 input runs through the variant's own runtime (the one serving uses) and the fp32
-  eager module in the same process, alternately, both on ONE thread. Up to `CALLS` calls each; the
-  fastest of each side counts (the first calls of a TorchScript module include its profiling runs;
-  a busy spell on a shared host slows both sides alike). One thread because the ratio is a property
-  of the kernels (emulated fp16 costs the same per op on one thread or many), while two thread pools
-  on busy cores measure the scheduler: OpenMP and ONNX Runtime workers spin after each call and
-  starve the other side (MiniLM's eager call measured 0.13-2.2 s with two threads on this busy host).
+- measured batch-1 calls: once the artifact is built (seconds) and before verification, the golden
+  batch-1 input runs through the variant's own runtime (the one serving uses) and the fp32 eager
+  module in the same process, alternately, both on ONE thread, each to its steady state
+  (pipeline/build/steady.py: warm-ups until the calls settle, then the median of several timed
+  calls, all under a time cap per variant). A first call is no verdict: TorchScript's profiling
+  executor makes a variant that ends up faster than eager many times slower on its first calls.
+  One thread because the ratio is a property of the kernels (emulated fp16 costs the same per op on
+  one thread or many), while two thread pools on busy cores measure the scheduler: OpenMP and ONNX
+  Runtime workers spin after each call and starve the other side.
   An ONNX build drops the torch module after its export (its steps read the graph; quantizing
   bert-large held 5.7 GB with the module, 4.2 without): eager's calls are then timed just before
   the build, on the same thread count, and the variant's after it.
-  A variant whose fastest call is more than `conversion.screen_max_slowdown` times eager's (and
-  slower by more than `MIN_LOSS_S`, so a tiny model's noise decides nothing) is `skipped`: conversion.json keeps the measured reason, the folder
-  keeps nothing loadable, benchmark/select/report treat it like a rejected variant.
+  A variant whose steady-state call is more than `conversion.screen_max_slowdown` times eager's (and
+  slower by more than `MIN_LOSS_S`, so a tiny model's noise decides nothing) is `skipped`:
+  conversion.json keeps the measured reason (which says how it was measured), the folder keeps
+  nothing loadable, benchmark/select/report treat it like a rejected variant. When the time cap
+  ends the screen before a steady state, a variant is skipped only if its calls after warm-up are
+  beyond the limit, or, with no such call, its fastest call is beyond `CLEAR_CUT` times the limit.
 
 `conversion.screen: false` builds and verifies every variant whatever the screen would say.
 The reference (`eager`) is never screened. On a GPU nothing is measured against the CPU-side eager
@@ -38,11 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from pipeline.build.steady import CAP_S, Series, jit_warmup_calls, measure, measure_alone, time_call
+
 log = logging.getLogger(__name__)
 
-CALLS = 3                 # variant calls at most (stops early once one is within the limit)
-# One call decides when it is this many times over the limit: bert-large's emulated-fp16 call took
-# 52 s (57x eager) cold and 31 s warm, so a second call added a minute and changed nothing.
+# With the time cap hit before any call past warm-up, a call this many times over the limit still
+# decides: no JIT warm-up explains it, and emulated fp16 on a large model costs tens of seconds a call.
 CLEAR_CUT = 4
 MIN_LOSS_S = 0.010        # a variant at most this much slower per call than eager is never skipped
 REFERENCE = "eager"
@@ -86,12 +91,13 @@ class Screen:
     feeds: dict
     device: str = "cpu"
     threads: int = 1
-    eager_before: tuple[float, ...] = ()       # eager's calls timed before the build (releases_module)
+    eager_before: Optional[Series] = None      # eager's calls timed before the build (releases_module)
+    cap_s: float = CAP_S
 
     def __call__(self, model_dir: Path) -> dict:
         """{'decision': 'build' | 'skip', 'reason', figures...}; never raises for a slow variant."""
         from handlers.runtime import load_runtime
-        if self.eager_call is None and not self.eager_before:
+        if self.eager_call is None and self.eager_before is None:
             return {"decision": "skip" if self.note else "build", "isa_note": self.note, "seconds": 0.0,
                     "reason": f"{self.variant}: {self.note}" if self.note else "not measured on this device"}
         import torch
@@ -99,39 +105,36 @@ class Screen:
         torch_threads = torch.get_num_threads()
         runtime = load_runtime(model_dir, device=self.device, threads=self.threads)
         torch.set_num_threads(self.threads)          # the eager side too (a torch runtime already did)
-        eager_calls: list[float] = list(self.eager_before)
-        calls: list[float] = []
+        warmups = runtime.warmup_calls
+        if runtime.variant.get("format") == "torchscript":
+            warmups = max(warmups, jit_warmup_calls())
         try:
-            if self.eager_call is not None:
-                self.eager_call()             # warm-up of the reference
-            # Eager and variant calls alternate and the fastest of each counts: a busy spell on a
-            # shared host slows both sides alike instead of deciding the comparison.
-            for _ in range(CALLS):
-                if self.eager_call is not None:
-                    eager_calls.append(self.eager_call())
-                c0 = time.perf_counter()
-                runtime.run(self.feeds)
-                calls.append(time.perf_counter() - c0)
-                if not self._too_slow(min(calls), min(eager_calls)):
-                    break
-                if min(calls) > CLEAR_CUT * self.max_slowdown * min(eager_calls):
-                    break             # no warm-up explains this much: another call would cost the most
+            variant, eager = measure(time_call(lambda: runtime.run(self.feeds)), warmups,
+                                     eager_call=self.eager_call, eager=self.eager_before, cap_s=self.cap_s)
         finally:
             runtime.close()
             torch.set_num_threads(torch_threads)     # verification and later builds keep their threads
-        eager_s = min(eager_calls)
-        best = min(calls)
-        slowdown = best / eager_s if eager_s > 0 else float("inf")
-        record = {"decision": "skip" if self._too_slow(best, eager_s) else "build",
-                  "eager_call_s": round(eager_s, 5), "variant_call_s": round(best, 5),
-                  "variant_calls_s": [round(c, 5) for c in calls],
-                  "eager_calls_s": [round(c, 5) for c in eager_calls], "slowdown": round(slowdown, 2),
-                  "max_slowdown": self.max_slowdown, "isa_note": self.note,
-                  "seconds": round(time.perf_counter() - t0, 3)}
+        return self._record(variant, eager, time.perf_counter() - t0)
+
+    def _record(self, variant: Series, eager: Series, seconds: float) -> dict:
+        variant_s, eager_s = variant.figure(), eager.figure()
+        slowdown = variant_s / eager_s if eager_s > 0 else float("inf")
+        beyond = self._too_slow(variant_s, eager_s)
+        # The cap came before a timed call: only a call after warm-up, or one no warm-up explains, decides.
+        skip = beyond and (variant.steady or variant.past_warmups or slowdown > CLEAR_CUT * self.max_slowdown)
         where = f" on {self.note}" if self.note else ""
-        record["reason"] = (f"{self.variant} batch-1 call {_fmt_s(best)} vs eager {_fmt_s(eager_s)} "
-                            f"({slowdown:.1f}×, limit {self.max_slowdown:g}×){where}")
-        return record
+        kept = (f"; built: a cold call skips only beyond {CLEAR_CUT * self.max_slowdown:g}×"
+                if beyond and not skip else "")
+        return {"decision": "skip" if skip else "build",
+                "measured": variant.describe(self.cap_s),
+                "eager_call_s": round(eager_s, 5), "variant_call_s": round(variant_s, 5),
+                "variant_calls_s": [round(c, 5) for c in variant.calls],
+                "eager_calls_s": [round(c, 5) for c in eager.calls],
+                "variant": variant.as_dict(), "eager": eager.as_dict(), "cap_s": self.cap_s,
+                "slowdown": round(slowdown, 2), "max_slowdown": self.max_slowdown, "isa_note": self.note,
+                "seconds": round(seconds, 3),
+                "reason": (f"{self.variant} batch-1 call, {variant.describe(self.cap_s)}: {_fmt_s(variant_s)} "
+                           f"vs eager {_fmt_s(eager_s)} ({slowdown:.1f}×, limit {self.max_slowdown:g}×){where}{kept}")}
 
     def _too_slow(self, call_s: float, eager_s: float) -> bool:
         return call_s > self.max_slowdown * eager_s and call_s - eager_s > MIN_LOSS_S
@@ -171,8 +174,7 @@ def make_screen(converter_cls, params, loaded, golden, env: dict, device: str) -
     threads = torch.get_num_threads()
     torch.set_num_threads(Screen.threads)
     try:
-        eager_call()                          # warm-up
-        before = tuple(eager_call() for _ in range(CALLS))
+        before = measure_alone(eager_call)
     finally:
         torch.set_num_threads(threads)
     return Screen(variant=converter_cls.name, dtype=converter_cls.dtype, note=note,
