@@ -1,7 +1,7 @@
 """Generate a bert-large-shaped sentence-embedding Hugging Face folder with random, deterministic weights.
 
-    python scripts/make_big_text_model.py OUT_DIR [--shards N] [--no-pooler] [--format safetensors|bin]
-                                          [--layers 24] [--hidden 1024] [--seed 0]
+    python scripts/make_big_text_model.py OUT_DIR [--arch bert|xlm-roberta] [--shards N] [--no-pooler]
+                                          [--format safetensors|bin] [--layers 24] [--hidden 1024] [--seed 0]
 
 Defaults give bert-large's shape (24 layers, hidden 1024, 16 heads, intermediate 4096, 334M
 parameters, ~1.34 GB of fp32 weights) — the "big model" case of issue 13 without downloading one.
@@ -14,6 +14,12 @@ package (the config's vocab_size is set to the tokenizer's), modules.json + 1_Po
 Weights are drawn tensor by tensor from one seeded generator (std 0.02, LayerNorm weight 1, biases
 0), so the same arguments always give the same bytes and peak memory stays near one copy.
 Smaller shapes (`--layers 4 --hidden 512`) make the few-hundred-MB models the tests use.
+
+`--arch xlm-roberta` gives the 2 GB class instead (multilingual-e5-large / bge-m3's shape:
+XLM-RoBERTa-large, 24 layers, hidden 1024, 560M parameters, ~2.24 GB): a SentencePiece-style Unigram
+tokenizer of 250,002 pieces (MiniLM's words as pieces, then generated ones; <s>=0, <pad>=1, </s>=2,
+<unk>=3), pad id 1, one token type (no token_type_ids), positions offset by the pad id, mean pooling
++ Normalize as the e5 models ship.
 """
 from __future__ import annotations
 
@@ -54,13 +60,65 @@ def bert_config(layers: int, hidden: int, vocab_size: int, max_positions: int = 
     }
 
 
+XLMR_VOCAB = 250002
+
+
+def xlmr_config(layers: int, hidden: int, vocab_size: int = XLMR_VOCAB) -> dict:
+    config = bert_config(layers, hidden, vocab_size, max_positions=514)
+    config.update({"architectures": ["XLMRobertaModel"], "model_type": "xlm-roberta", "layer_norm_eps": 1e-5,
+                   "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "type_vocab_size": 1})
+    return config
+
+
 def parameter_shapes(config: dict, pooler: bool) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of BertModel's state_dict, from a meta-device build (no memory)."""
+    """Names and shapes of the model's state_dict, from a meta-device build (no memory)."""
     import torch
     import transformers
+    model_cls, config_cls = ((transformers.XLMRobertaModel, transformers.XLMRobertaConfig)
+                             if config["model_type"] == "xlm-roberta" else (transformers.BertModel, transformers.BertConfig))
     with torch.device("meta"):
-        model = transformers.BertModel(transformers.BertConfig(**config), add_pooling_layer=pooler)
+        model = model_cls(config_cls(**config), add_pooling_layer=pooler)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def write_unigram_tokenizer(out: Path, vocab_size: int = XLMR_VOCAB) -> None:
+    """A deterministic SentencePiece-style Unigram tokenizer.json of `vocab_size` pieces, as XLM-R's."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    words = [w for w in json.loads((minilm_folder() / "tokenizer.json").read_text())["model"]["vocab"]
+             if w.isalpha() and w.isascii()]
+    pieces = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    seen = {p for p, _ in pieces}
+    for c in "\u2581abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'-":
+        if c not in seen:
+            seen.add(c)
+            pieces.append((c, -12.0))
+    for i, w in enumerate(words):
+        for piece in ("\u2581" + w, w):
+            if piece not in seen:
+                seen.add(piece)
+                pieces.append((piece, -5.0 - i * 1e-4))
+    del pieces[vocab_size - 1:]
+    k = 0
+    alphabet = "abcdefghijklmnopqrstuvwxyz"
+    while len(pieces) < vocab_size - 1:              # the last id is <mask>
+        a, b, c = alphabet[k % 26], alphabet[(k // 26) % 26], alphabet[(k // 676) % 26]
+        piece = f"\u2581{c}{b}{a}{k // 17576}"
+        k += 1
+        if piece not in seen:
+            seen.add(piece)
+            pieces.append((piece, -14.0))
+    pieces.append(("<mask>", 0.0))
+    tok = Tokenizer(models.Unigram(pieces, unk_id=3, byte_fallback=False))
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    tok.enable_truncation(512)
+    tok.enable_padding(pad_id=1, pad_token="<pad>")
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "XLMRobertaTokenizer",
+                                                           "model_max_length": 512}) + "\n")
 
 
 def random_tensor(name: str, shape: tuple[int, ...], gen):
@@ -114,14 +172,14 @@ def write_weights(out: Path, shapes: dict, shards: int, fmt: str, seed: int) -> 
     return written
 
 
-def write_sentence_transformers(out: Path, hidden: int) -> None:
+def write_sentence_transformers(out: Path, hidden: int, pooling_mode: str = "cls") -> None:
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
     (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
     (out / "1_Pooling").mkdir(exist_ok=True)
-    pooling = {"word_embedding_dimension": hidden, "pooling_mode_cls_token": True,
-               "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+    pooling = {"word_embedding_dimension": hidden, "pooling_mode_cls_token": pooling_mode == "cls",
+               "pooling_mode_mean_tokens": pooling_mode == "mean", "pooling_mode_max_tokens": False,
                "pooling_mode_mean_sqrt_len_tokens": False}
     (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")
     (out / "2_Normalize").mkdir(exist_ok=True)
@@ -129,7 +187,7 @@ def write_sentence_transformers(out: Path, hidden: int) -> None:
 
 
 def make_model(out: str | Path, layers: int = 24, hidden: int = 1024, shards: int = 1, pooler: bool = True,
-               fmt: str = "safetensors", seed: int = 0) -> Path:
+               fmt: str = "safetensors", seed: int = 0, arch: str = "bert", vocab_size: int = XLMR_VOCAB) -> Path:
     """Write the folder (see the module docstring) and return its path. Importable by tests."""
     out = Path(out)
     if shards < 1:
@@ -137,19 +195,28 @@ def make_model(out: str | Path, layers: int = 24, hidden: int = 1024, shards: in
     if fmt not in ("safetensors", "bin"):
         raise SystemExit(f"--format {fmt!r}: use safetensors or bin")
     out.mkdir(parents=True, exist_ok=True)
-    source = minilm_folder()
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(source / name, out / name)
-    config = bert_config(layers, hidden, tokenizer_vocab_size(out / "tokenizer.json"))
+    if arch == "xlm-roberta":
+        write_unigram_tokenizer(out, vocab_size)
+        config = xlmr_config(layers, hidden, vocab_size)
+    elif arch == "bert":
+        source = minilm_folder()
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(source / name, out / name)
+        config = bert_config(layers, hidden, tokenizer_vocab_size(out / "tokenizer.json"))
+    else:
+        raise SystemExit(f"--arch {arch!r}: use bert or xlm-roberta")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_weights(out, parameter_shapes(config, pooler), shards, fmt, seed)
-    write_sentence_transformers(out, hidden)
+    write_sentence_transformers(out, hidden, "mean" if arch == "xlm-roberta" else "cls")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python scripts/make_big_text_model.py", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="folder to write (created)")
+    ap.add_argument("--arch", default="bert", choices=("bert", "xlm-roberta"),
+                    help="bert: bert-large's shape (1.34 GB); xlm-roberta: XLM-R-large's (2.24 GB, 250k pieces)")
+    ap.add_argument("--vocab", type=int, default=XLMR_VOCAB, help="xlm-roberta: tokenizer pieces")
     ap.add_argument("--shards", type=int, default=1, help="weight files (1: model.safetensors; N: sharded + index)")
     ap.add_argument("--no-pooler", action="store_true", help="leave out BERT's pooler (pooler.dense.*)")
     ap.add_argument("--format", default="safetensors", choices=("safetensors", "bin"))
@@ -157,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    folder = make_model(args.out, args.layers, args.hidden, args.shards, not args.no_pooler, args.format, args.seed)
+    folder = make_model(args.out, args.layers, args.hidden, args.shards, not args.no_pooler, args.format, args.seed,
+                        args.arch, args.vocab)
     size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
     print(f"wrote {folder} ({size / 1e9:.2f} GB)")
     return 0
