@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
+
+from pipeline.core.params_typed import ParamsError, build
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PARAMS = REPO_ROOT / "params.yaml"
@@ -29,8 +29,7 @@ SOURCES = ("hf", "state_dict", "torchscript")
 PKG_PREFIX = "pkg:"
 
 
-class ParamsError(ValueError):
-    """params.yaml is wrong; the message names the key, the value and what is allowed."""
+__all__ = ["ParamsError"]      # raised here, defined with the typed builder (params_typed.py)
 
 
 # --------------------------------------------------------------------------- schema
@@ -108,13 +107,13 @@ class ConversionParams:
     timeout_s: int = 900                       # per variant, its own process
     onnx_opset: int = 18
     # ONNX variants of a model with at least this many MB of fp32 weights keep them in model.onnx.data:
-    # required from 2 GB (protobuf), and faster to load well before (268 MB: 0.35 s vs 1.63 s, README).
+    # required from 2 GB (protobuf), and faster to load well before (mapped, not parsed; docs/big-models.md).
     onnx_external_data_mb: float = 256.0
-    # CPU ONNX variants with external data ship ORT's pre-packed weight layout for this host (mapped at load):
-    # bert-large int8 session 0.39 -> 0.17 s, fp32 1.4 -> 0.64 s; the data file grows by the packed bytes.
+    # CPU ONNX variants with external data ship ORT's pre-packed weight layout for this host (mapped at load,
+    # so no session re-lays the MatMul weights out); the data file grows by the packed bytes.
     onnx_prepack: bool = True
     # Attention fused (MultiHeadAttention) on the exported graph before ORT optimises it, kept only when its
-    # outputs equal the export's (pipeline/build/variants/fusion.py): bert-large int8 session 190 -> 147 ms.
+    # outputs equal the export's (pipeline/build/variants/fusion.py): fewer nodes, a faster session setup.
     onnx_fusions: bool = True
     tolerances: dict[str, Tolerance] = field(default_factory=_default_tolerances)
     min_topk_agreement: float = 0.99           # classification: share of samples whose top-1 matches
@@ -138,7 +137,7 @@ class BenchmarkParams:
     # the calls inside one do, so for the same measuring time more rounds give a steadier figure.
     steady_runs: int = 5
     # Per variant: no fresh process starts once it would pass this many seconds (after 2 rounds and
-    # 2 cold loads; 0: no limit). A 90 MB model fits 3-5 rounds; a 1.3 GB one would spend 3 min.
+    # 2 cold loads; 0: no limit), so a GB-sized model does not spend minutes on rounds a small one gets.
     budget_s: float = 40.0
     # ...and no further steady round once every size's round p50s agree within this (0: never stop
     # early): another round would move the figures less than the tie band selection applies anyway.
@@ -151,7 +150,7 @@ class BenchmarkParams:
     min_iters: int = 6                         # per batch size and round: BOTH this many calls...
     min_duration_s: float = 0.3                # ...AND this long;
     point_max_s: float = 2.0                   # or this long with at least 3 calls (0: no cap): a big model's
-                                               # 1.5-s call would need 9 s per size and round for min_iters
+                                               # second-long calls would otherwise take min_iters x that
     max_cv: float = 0.15                       # re-measure once above this, then flag as noisy; also
                                                # flags a point whose rounds' p50s spread more than this
     min_gain: float = 0.05                     # stop the sweep when throughput gains fall under this...
@@ -232,8 +231,8 @@ class TuneParams:
 class ServeCheckParams:
     requests: int = 320
     concurrency: int = 16
-    # No new request after this many seconds per setup and round: 320 requests take the naive
-    # baseline of a 1.3 GB model (1.7 req/s) over 3 minutes; 30 s of its load give its rate as well.
+    # No new request after this many seconds per setup and round: the naive baseline of a GB-sized
+    # model answers a few requests a second, and a capped window gives its rate as well as all 320.
     time_cap_s: float = 30.0
     baseline: bool = True
     handtuned: bool = True                     # also serve the hand-tuned ONNX reference (pipeline/serve/handtuned.py)
@@ -261,235 +260,13 @@ class Params:
     publish: PublishParams = field(default_factory=PublishParams)
 
 
-# --------------------------------------------------------------------------- validation
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list ({_type_name(typing.get_args(tp)[0])} each)"
-    if origin is dict or tp is dict:
-        return "a mapping"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    if tp is type(None):
-        return "null"
-    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
-
-
-def _bad(key: str, value: Any, allowed: str) -> ParamsError:
-    return ParamsError(f"params.yaml: `{key}` = {value!r} is invalid; allowed: {allowed}")
-
-
-def _convert(tp: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, value, key)
-            except ParamsError:
-                pass
-        raise _bad(key, value, _type_name(tp))
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise _bad(key, value, _type_name(tp))
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise _bad(key, value, _type_name(tp))
-        (item_tp,) = typing.get_args(tp)
-        return [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _bad(key, value, _type_name(tp))
-        _, value_tp = typing.get_args(tp)
-        return {str(k): _convert(value_tp, v, f"{key}.{k}") for k, v in value.items()}
-    if tp is dict:
-        if not isinstance(value, dict):
-            raise _bad(key, value, "a mapping")
-        return dict(value)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise _bad(key, value, "true/false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _bad(key, value, "an integer")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _bad(key, value, "a number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise _bad(key, value, "a string")
-        return value
-    raise TypeError(f"schema type {tp} not supported")
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise _bad(prefix or "<top level>", data, "a mapping")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        where = f"`{prefix}`" if prefix else "the top level"
-        raise ParamsError(
-            f"params.yaml: unknown key `{_join(prefix, unknown[0])}` under {where}; "
-            f"allowed keys: {', '.join(sorted(fields))}")
-    kwargs = {}
-    for name, f in fields.items():
-        key = _join(prefix, name)
-        if name in data:
-            kwargs[name] = _convert(hints[name], data[name], key)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ParamsError(f"params.yaml: required key `{key}` is missing ({_type_name(hints[name])})")
-    return cls(**kwargs)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _check_semantics(p: Params) -> None:
-    for i, v in enumerate(p.variants):
-        if v not in VARIANTS:
-            raise _bad(f"variants[{i}]", v, ", ".join(VARIANTS))
-    if len(set(p.variants)) != len(p.variants):
-        raise _bad("variants", p.variants, "each variant at most once")
-    if "eager" not in p.variants:
-        raise _bad("variants", p.variants, "a list that includes 'eager' (the reference every variant is checked against)")
-    m = p.model
-    if m.source == "state_dict" and not m.factory:
-        raise ParamsError("params.yaml: `model.factory` is required when `model.source` is 'state_dict' "
-                          "(e.g. `pkg.module:build` or `path/to/file.py:build`)")
-    if m.factory and ":" not in m.factory:
-        raise _bad("model.factory", m.factory, "'pkg.module:function' or 'path/to/file.py:function'")
-    if m.task == "tensor":
-        if not m.input_shape:
-            raise ParamsError("params.yaml: `model.input_shape` is required when `model.task` is 'tensor' "
-                              "(the shape of ONE sample, batch dimension excluded, e.g. [16, 32])")
-        if any(d <= 0 for d in m.input_shape):
-            raise _bad("model.input_shape", m.input_shape, "positive dimensions")
-    if not p.benchmark.batch_sizes or any(b <= 0 for b in p.benchmark.batch_sizes):
-        raise _bad("benchmark.batch_sizes", p.benchmark.batch_sizes, "a non-empty list of positive integers")
-    if sorted(set(p.benchmark.batch_sizes)) != p.benchmark.batch_sizes:
-        raise _bad("benchmark.batch_sizes", p.benchmark.batch_sizes, "strictly increasing sizes")
-    b = p.benchmark
-    for key, value, ok, allowed in (
-            ("cold_runs", b.cold_runs, b.cold_runs >= 1, "an integer >= 1"),
-            ("steady_runs", b.steady_runs, b.steady_runs >= 1, "an integer >= 1 (3 or more to see cross-process noise)"),
-            ("budget_s", b.budget_s, b.budget_s >= 0, "seconds >= 0 (0: every cold run and steady round, however long)"),
-            ("interleave_passes", b.interleave_passes, b.interleave_passes >= 1, "an integer >= 1"),
-            ("warmup_iters", b.warmup_iters, b.warmup_iters >= 0, "an integer >= 0"),
-            ("warmup_max_s", b.warmup_max_s, b.warmup_max_s >= 0, "seconds >= 0"),
-            ("min_iters", b.min_iters, b.min_iters >= 1, "an integer >= 1"),
-            ("min_duration_s", b.min_duration_s, b.min_duration_s >= 0, "seconds >= 0"),
-            ("max_cv", b.max_cv, b.max_cv > 0, "a positive ratio, e.g. 0.15"),
-            ("point_max_s", b.point_max_s, b.point_max_s >= 0, "seconds >= 0 (0: every point takes min_iters calls)"),
-            ("rounds_agree_within", b.rounds_agree_within, 0 <= b.rounds_agree_within < 1,
-             "a ratio in [0, 1), e.g. 0.03 (0: every round budget_s allows)"),
-            ("sweep_patience", b.sweep_patience, b.sweep_patience >= 1, "an integer >= 1"),
-            ("latency_cap_ms", b.latency_cap_ms, b.latency_cap_ms > 0, "a positive number of milliseconds"),
-            ("text_length", b.text_length, b.text_length >= 1, "a positive number of tokens")):
-        if not ok:
-            raise _bad(f"benchmark.{key}", value, allowed)
-    c = p.conversion
-    for key, value, ok, allowed in (
-            ("screen_max_slowdown", c.screen_max_slowdown, c.screen_max_slowdown > 1,
-             "a ratio > 1, e.g. 4 (skip a variant whose batch-1 call is 4x eager's)"),
-            ("big_model_mb", c.big_model_mb, c.big_model_mb >= 0, "MB >= 0 (0: every model verifies one batch per size)"),
-            ("onnx_external_data_mb", c.onnx_external_data_mb, 0 <= c.onnx_external_data_mb <= 1800,
-             "MB in [0, 1800] (0: always external data; protobuf cannot hold 2 GB, and the optimiser adds initialisers)")):
-        if not ok:
-            raise _bad(f"conversion.{key}", value, allowed)
-    for dtype in ("float32", "float16", "bfloat16"):
-        if dtype not in p.conversion.tolerances:
-            raise _bad("conversion.tolerances", sorted(p.conversion.tolerances), "float32, float16 and bfloat16 all present")
-    _check_int8(p)
-    sv = p.serve
-    for key, value, ok, allowed in (
-            ("latency_slo_ms", sv.latency_slo_ms, sv.latency_slo_ms > 0, "a positive number of milliseconds"),
-            ("expected_concurrency", sv.expected_concurrency, sv.expected_concurrency >= 1,
-             "an integer >= 1 (requests in flight in production)"),
-            ("memory_share", sv.memory_share, 0 < sv.memory_share <= 1, "a share in (0, 1], e.g. 0.8"),
-            ("max_workers_per_gpu", sv.max_workers_per_gpu, sv.max_workers_per_gpu >= 1, "an integer >= 1"),
-            ("target_disk_read_mb_s", sv.target_disk_read_mb_s,
-             sv.target_disk_read_mb_s is None or sv.target_disk_read_mb_s > 0,
-             "null (the read speed measured on this host) or a positive MB/s, e.g. 200"),
-            ("folder_store_min_mb", sv.folder_store_min_mb, sv.folder_store_min_mb >= 0,
-             "MB >= 0 (0: always serve from the unpacked folder)")):
-        if not ok:
-            raise _bad(f"serve.{key}", value, allowed)
-    t = p.tune
-    for key, value, ok, allowed in (
-            ("rounds", t.rounds, t.rounds >= 1, "an integer >= 1 (2 or more to see the noise)"),
-            ("max_rounds", t.max_rounds, t.max_rounds >= t.rounds, f"an integer >= tune.rounds ({t.rounds})"),
-            ("measure_s", t.measure_s, t.measure_s > 0, "seconds > 0"),
-            ("warmup_requests", t.warmup_requests, t.warmup_requests >= 0, "an integer >= 0"),
-            ("max_candidates", t.max_candidates, t.max_candidates >= 1, "an integer >= 1"),
-            ("contenders", t.contenders, t.contenders >= 1, "an integer >= 1 (1: serve selection's winner only)")):
-        if not ok:
-            raise _bad(f"tune.{key}", value, allowed)
-    if p.serve_check.rounds < 1:
-        raise _bad("serve_check.rounds", p.serve_check.rounds, "an integer >= 1")
-    if p.serve_check.decided_band < 0:
-        raise _bad("serve_check.decided_band", p.serve_check.decided_band,
-                   "a ratio >= 0, e.g. 0.25 (0: every round for every setup)")
-    if not _NAME_OK(m.name):
-        raise _bad("model.name", m.name, "letters, digits, '_', '-', '.', starting with a letter or digit")
-
-
-def _check_int8(p: Params) -> None:
-    listed = [v for v in p.variants if v in INT8_VARIANTS]
-    if listed and "int8" not in p.conversion.tolerances:
-        raise _bad("conversion.tolerances", sorted(p.conversion.tolerances),
-                   f"an `int8` entry too, since variants lists {listed} (e.g. int8: {{atol: 0.05, rtol: 0.1, "
-                   f"min_cosine: 0.995, gate: task, min_recall_at_k: 0.95}})")
-    for dtype, t in p.conversion.tolerances.items():
-        key = f"conversion.tolerances.{dtype}"
-        for name in ("min_recall_at_k", "min_top1_agreement", "min_topk_overlap", "min_cosine"):
-            if not 0.0 <= getattr(t, name) <= 1.0:
-                raise _bad(f"{key}.{name}", getattr(t, name), "a share in [0, 1]")
-        for name in ("recall_k", "topk"):
-            if getattr(t, name) < 1:
-                raise _bad(f"{key}.{name}", getattr(t, name), "an integer >= 1")
-    q = p.conversion.int8
-    for key, value, ok, allowed in (
-            ("calibration_samples", q.calibration_samples, q.calibration_samples >= 8, "an integer >= 8"),
-            ("sensitivity_budget_s", q.sensitivity_budget_s, q.sensitivity_budget_s >= 0,
-             "seconds >= 0 (0: no fallback, the whole model is quantized)"),
-            ("max_fp32_share", q.max_fp32_share, 0.0 <= q.max_fp32_share <= 1.0, "a share in [0, 1]"),
-            ("smoothing_alpha", q.smoothing_alpha,
-             q.smoothing_alpha in ("auto", None) or (isinstance(q.smoothing_alpha, (int, float))
-                                                     and not isinstance(q.smoothing_alpha, bool)
-                                                     and 0.0 < q.smoothing_alpha < 1.0),
-             "auto, null (off) or a migration strength in (0, 1), e.g. 0.7")):
-        if not ok:
-            raise _bad(f"conversion.int8.{key}", value, allowed)
-
-
-def _NAME_OK(name: str) -> bool:
-    import re
-    return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_\-.]*", name) is not None
-
-
+# --------------------------------------------------------------------------- loading
 def parse_params(data: Any) -> Params:
     """Validate an already-parsed params mapping."""
-    params = _build(Params, data, "")
-    _check_semantics(params)
+    # The cross-field rules read this module's schema: imported here, not at the top.
+    from pipeline.core.params_checks import check_semantics
+    params = build(Params, data, "")
+    check_semantics(params)
     return params
 
 
