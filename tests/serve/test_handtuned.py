@@ -1,0 +1,145 @@
+"""pipeline/serve/handtuned.py: the hand-tuned reference built from a real onnx variant of the committed
+tensor example (examples/tensor), its four settings over the configure stage's others, the records
+saying why it could not be built, and a real TorchServe serving it as configured."""
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from pipeline.model.checkpoint import load_model
+from pipeline.serve.archive import ArchiveError, archive_contents
+from pipeline.serve.handtuned import RECORD, SETTINGS, VARIANT, build_handtuned, read_handtuned
+from pipeline.serve.torchserve_http import read_properties
+from tests.build.test_variants import convert, tensor_case
+from tests.serve.test_archive import build_stage_inputs, tensor_request
+from tests.serve.test_torchserve import DERIVED
+
+TENSOR_MODEL = {"name": "signalnet", "source": "state_dict", "checkpoint": "examples/tensor/weights.safetensors",
+                "factory": "examples/tensor/model.py:build", "task": "tensor", "input_shape": [16, 32]}
+# The configure stage's figures the reference keeps (everything but its four settings).
+KEPT = {"response_timeout_s": 7, "startup_timeout_s": 23, "job_queue_size": 37, "max_request_size": 65536,
+        "max_response_size": 65536, "max_request_bytes": 65536}
+
+
+@pytest.fixture(scope="module")
+def tensor_onnx_params(make_params):
+    return make_params(TENSOR_MODEL, variants=["eager", "onnx"])
+
+
+@pytest.fixture(scope="module")
+def stage_inputs(tmp_path_factory, tensor_onnx_params):
+    """artifacts/ after configure: the tensor example's variants (onnx converted for real), a
+    derivation whose batching/worker figures differ from the hand-tuned ones."""
+    params = tensor_onnx_params
+    root = tmp_path_factory.mktemp("handtuned")
+    inputs = build_stage_inputs(root / "artifacts", params)
+    loaded, golden = tensor_case(load_model(params).module, tuple(params.model.input_shape))
+    record = convert(VARIANT, params, loaded, golden, inputs["variants_dir"] / VARIANT)
+    assert record["status"] == "converted", record["reason"]
+    derivation_dir = root / "artifacts" / "configure"
+    derivation_dir.mkdir()
+    (derivation_dir / "derivation.json").write_text(json.dumps({**DERIVED, **KEPT}))
+    return dict(selection_path=inputs["selection_path"], variants_dir=inputs["variants_dir"],
+                derivation_dir=derivation_dir, env_path=inputs["env_path"])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tensor_onnx_params, stage_inputs):
+    out = tmp_path_factory.mktemp("handtuned_out") / "handtuned"
+    result = build_handtuned(tensor_onnx_params, out_dir=out, **stage_inputs)
+    return result, out
+
+
+def test_the_reference_is_the_onnx_variant_with_four_settings_changed(built, stage_inputs):
+    result, out = built
+    assert result is not None and result.path == out / "signalnet.mar"
+    contents = archive_contents(result.path)
+    manifest = json.loads(contents["MAR-INF/MANIFEST.json"])["model"]
+    assert manifest["handler"] == "onnx_handler.py" and manifest["serializedFile"] == "model.onnx"
+    assert json.loads(contents["provenance.json"])["variant"] == VARIANT
+    # The packed yaml and the one beside the .mar: hand-tuned batching and workers, the rest configured.
+    packed = yaml.safe_load(contents["model-config.yaml"])
+    assert yaml.safe_load((out / "model-config.yaml").read_text()) == packed
+    assert (packed["batchSize"], packed["maxBatchDelay"]) == (SETTINGS["batch_size"], SETTINGS["max_batch_delay_ms"])
+    assert (packed["minWorkers"], packed["maxWorkers"]) == (SETTINGS["workers"], SETTINGS["workers"])
+    assert packed["handler"]["threads"] == SETTINGS["threads_per_worker"]
+    assert packed["handler"]["warmup_batch_size"] == SETTINGS["batch_size"]     # warm-up in initialize
+    assert (packed["responseTimeout"], packed["startupTimeout"]) == (KEPT["response_timeout_s"],
+                                                                     KEPT["startup_timeout_s"])
+    assert packed["handler"]["max_request_bytes"] == KEPT["max_request_bytes"]
+    props = read_properties(out / "config.properties")
+    assert props["load_models"] == "signalnet=signalnet.mar" and props["model_store"] == out.resolve().as_posix()
+    assert props["default_workers_per_model"] == str(SETTINGS["workers"])
+    assert props["job_queue_size"] == str(KEPT["job_queue_size"])
+    # The configure stage's own record is read, never rewritten.
+    assert json.loads((stage_inputs["derivation_dir"] / "derivation.json").read_text())["batch_size"] == \
+        DERIVED["batch_size"]
+
+
+def test_the_record_says_what_was_built(built):
+    _, out = built
+    record = read_handtuned(out)
+    assert record == json.loads((out / RECORD).read_text())
+    assert record["available"] is True
+    assert (record["model"], record["variant"], record["mar"]) == ("signalnet", VARIANT, "signalnet.mar")
+    assert record["settings"] == SETTINGS
+    assert "batchSize 8, maxBatchDelay 5 ms, 2 workers × 1 thread" in record["what"]
+
+
+def test_missing_onnx_variant_is_recorded_not_raised(tmp_path, make_params, stage_inputs):
+    no_onnx = make_params(TENSOR_MODEL, variants=["eager", "torchscript"])
+    assert build_handtuned(no_onnx, out_dir=tmp_path / "a", **stage_inputs) is None
+    record = read_handtuned(tmp_path / "a")
+    assert record["available"] is False and "not in `variants`" in record["reason"]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [RECORD]      # no archive, no config
+
+
+def test_unconverted_onnx_variant_is_recorded_with_its_status(tmp_path, tensor_onnx_params, stage_inputs):
+    variants = tmp_path / "variants"
+    shutil.copytree(stage_inputs["variants_dir"], variants)
+    inputs = {**stage_inputs, "variants_dir": variants}
+    conversion = variants / VARIANT / "conversion.json"
+    record = json.loads(conversion.read_text())
+    conversion.write_text(json.dumps({**record, "status": "rejected"}))
+    assert build_handtuned(tensor_onnx_params, out_dir=tmp_path / "a", **inputs) is None
+    assert "status 'rejected'" in read_handtuned(tmp_path / "a")["reason"]
+    conversion.unlink()
+    assert build_handtuned(tensor_onnx_params, out_dir=tmp_path / "b", **inputs) is None
+    assert "was not converted" in read_handtuned(tmp_path / "b")["reason"]
+
+
+def test_missing_derivation_is_an_error_and_an_unbuilt_reference_is_reported(tmp_path, tensor_onnx_params,
+                                                                            stage_inputs):
+    with pytest.raises(ArchiveError, match="derivation.json is missing; run the configure stage"):
+        build_handtuned(tensor_onnx_params, out_dir=tmp_path / "a",
+                        **{**stage_inputs, "derivation_dir": tmp_path / "no-configure"})
+    record = read_handtuned(tmp_path / "never-built")
+    assert record["available"] is False and "run the archive stage" in record["reason"]
+
+
+@pytest.mark.torchserve
+@pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
+def test_torchserve_serves_the_reference_as_configured(tmp_path, built, tensor_onnx_params):
+    from pipeline.serve.torchserve import TorchServe
+    _, out = built
+    body, x = tensor_request(tensor_onnx_params, seed=5)
+    with torch.no_grad():
+        want = load_model(tensor_onnx_params).module(torch.from_numpy(x)[None])[0].numpy()
+    # The reference's own config.properties and store, as serve_check starts it.
+    with TorchServe(out / "config.properties", out, "signalnet", workdir=tmp_path / "ts") as ts:
+        d = ts.api.describe_model()
+        assert (d["batchSize"], d["maxBatchDelay"]) == (8, 5)
+        assert (d["minWorkers"], d["maxWorkers"]) == (2, 2)
+        assert [w["status"] for w in d["workers"]] == ["READY", "READY"]
+        r = ts.api.predict(body.encode(), "application/json")
+        assert r.status == 200, r.body[:500]
+        np.testing.assert_allclose(r.json(), want, atol=1e-5)
+        loads = (ts.logs / "model_log.log").read_text()
+        # The torch-free ONNX handler warmed up at the reference's batch size in each worker.
+        assert loads.count("[load] variant=onnx family=onnx") == 2 and loads.count("warmup_bs8=") == 2
