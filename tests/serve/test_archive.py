@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 import zipfile
 from pathlib import Path
 
@@ -259,9 +260,14 @@ def test_real_torchserve_serves_the_tensor_archive(tmp_path, tensor_build):
     loaded = load_model(params)
     with torch.no_grad():
         want = loaded.module(torch.from_numpy(x)[None])[0].numpy()
+    t0 = time.monotonic()
     with TorchServe(None, store, "signalnet", models="signalnet=signalnet.mar",
                     workdir=tmp_path / "ts") as server:
-        assert server.readiness.ready_s > 0
+        start_wall_s = time.monotonic() - t0
+        ready = server.readiness
+        # After the worker loaded (WorkerLoadTime), within the start as timed from outside.
+        assert ready.worker_load_ms is not None
+        assert 0 < ready.worker_load_ms / 1000 <= ready.ready_s <= ready.all_ready_s <= start_wall_s
         ok = server.api.predict(body.encode(), "application/json")
         assert ok.status == 200, ok.body[:500]
         np.testing.assert_allclose(ok.json(), want, atol=1e-5)
