@@ -1,7 +1,9 @@
 """The environment fingerprint: parsed right, and stable run to run (the benchmarks re-run only
 when it changes)."""
 import json
+from pathlib import Path
 
+import psutil
 import pytest
 
 from pipeline.host.device import DeviceError
@@ -56,7 +58,13 @@ def test_fingerprint_is_stable_and_json_serialisable():
     a, b = fingerprint("auto", no_gpu), fingerprint("auto", no_gpu)
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
     assert a["device"] == "cpu" and a["disk_read_mb_s"] is None      # no measured speeds in it
-    assert a["memory_mb"] > 0 and a["versions"]["torch"] and a["cpu"]["physical_cores"] >= 1
+    assert a["versions"]["torch"] and a["cpu"]["physical_cores"] >= 1
+    # The host's total memory in MiB (2**20), as psutil and the kernel report it.
+    assert a["memory_mb"] == psutil.virtual_memory().total // 2**20
+    if Path("/proc/meminfo").exists():
+        kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal:"))
+        assert a["memory_mb"] == kib // 1024
     assert set(a) == {"device", "cpu", "memory_mb", "gpu", "disk_read_mb_s", "os", "versions"}
 
 

@@ -2,6 +2,8 @@
 
 Timing is driven by a fake clock, so the assertions are exact and independent of machine load.
 """
+import time
+
 import pytest
 import torch
 
@@ -76,9 +78,15 @@ def test_measure_latency_syncs_inside_the_timed_interval():
 def test_measure_latency_on_a_real_tiny_torch_model():
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
     x = torch.randn(8, 16)
+    t0 = time.perf_counter()
     with torch.inference_mode():
         s = measure_latency(lambda: model(x), 8, StopRule(min_iters=30, min_duration_s=0.05), warmup_iters=2)
-    assert s.iters >= 30 and s.total_s > 0
+    wall_s = time.perf_counter() - t0
+    assert s.iters >= 30 and len(s.samples_s) == s.iters
+    # total_s is the timed calls themselves: their sum, at least iters x the fastest, and inside
+    # the wall time of the whole measurement (warm-up and loop overhead are not in it).
+    assert s.total_s == pytest.approx(sum(s.samples_s))
+    assert 0 < s.iters * min(s.samples_s) <= s.total_s <= wall_s
     assert 0 < s.p50_s <= s.p90_s <= s.p99_s
     assert s.throughput_sps == pytest.approx(8 * s.iters / s.total_s)
 
