@@ -9,6 +9,7 @@ import importlib.util
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -256,15 +257,17 @@ def test_plan_skip_is_recorded_with_its_measured_reason(tensor_params, tmp_path)
                     eager_call=tiny_eager_call, feeds=golden.batches[0].feeds)
     converter = get_converter("torchscript").from_params(tensor_params)
     out = tmp_path / "torchscript"
+    t0 = time.perf_counter()
     record = build_variant(converter, loaded, golden, out, "cpu", tolerance_for(tensor_params, "float32"),
                            tensor_params.conversion.min_topk_agreement, screen=screen)
+    wall_s = time.perf_counter() - t0
     assert record["status"] == "skipped", (record["reason"], record["screen"])
     assert record["reason"].startswith("torchscript batch-1 call") and "vs eager" in record["reason"]
     assert "limit 4×" in record["reason"] and "on a test host" in record["reason"]
     s = record["screen"]
     assert s["decision"] == "skip" and s["slowdown"] > 4 and s["variant_call_s"] > s["eager_call_s"]
     assert record["verification"] is None and record["verification_s"] is None      # never verified
-    assert record["conversion_s"] > 0 and record["screen_s"] > 0
+    assert_times_apart(record, wall_s)
     assert sorted(p.name for p in out.iterdir()) == ["conversion.json"]             # nothing loadable stays
     assert len(record["attempts"]) == 1                      # a skip ends the variant: no second method
 
@@ -274,18 +277,33 @@ def test_plan_skip_is_recorded_with_its_measured_reason(tensor_params, tmp_path)
     assert cand.status == "skipped" and "skipped before verification" in cand.reasons[0]
 
 
+def assert_times_apart(record: dict, wall_s: float) -> None:
+    """Conversion, screen and verification are disjoint spans of build_variant's wall time (each
+    rounded to 1 ms), and the screen's span holds every call it timed (rounded to 10 µs)."""
+    spans = [record["conversion_s"], record["screen_s"], record["verification_s"] or 0.0]
+    assert record["conversion_s"] > 0 and record["screen_s"] == record["screen"]["seconds"]
+    assert sum(spans) <= wall_s + 0.0015 * len(spans)
+    calls = record["screen"]["variant_calls_s"] + record["screen"]["eager_calls_s"]
+    assert 0 < sum(calls) <= record["screen_s"] + 0.0005 + 5e-6 * len(calls)
+
+
 def test_plan_keeps_a_competitive_variant_and_records_the_times_apart(tensor_params, tmp_path):
     from pipeline.build.plan import make_screen
     from pipeline.build.variants.base import get_converter
     loaded, golden = tensor_case(wide_mlp(64, 128, 3), 64, batch_sizes=(1, 2, 2, 4))
     cls = get_converter("onnx")
     screen = make_screen(cls, tensor_params, loaded, golden, {}, "cpu")
+    t0 = time.perf_counter()
     record = build_variant(cls.from_params(tensor_params), loaded, golden, tmp_path / "onnx", "cpu",
                            tolerance_for(tensor_params, "float32"), tensor_params.conversion.min_topk_agreement,
                            screen=screen)
+    wall_s = time.perf_counter() - t0
     assert record["status"] == "converted", record["reason"]
-    assert record["screen"]["decision"] == "build" and record["screen"]["eager_call_s"] > 0
-    assert record["verification_s"] > 0 and record["conversion_s"] > 0
+    s = record["screen"]
+    assert s["decision"] == "build"
+    assert min(s["eager_calls_s"]) <= s["eager_call_s"] <= max(s["eager_calls_s"])    # a figure of its calls
+    assert record["verification_s"] is not None and record["verification_s"] > 0
+    assert_times_apart(record, wall_s)
     assert make_screen(get_converter("eager"), tensor_params, loaded, golden, {}, "cpu") is None   # the reference
 
 
