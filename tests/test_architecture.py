@@ -96,7 +96,16 @@ def test_handlers_import_nothing_from_the_pipeline():
     assert not offending, offending
 
 
+# Long files whose split along their seams is still to come (issue 28). An entry must still be long
+# (a split file leaves the list); nothing else may grow past the limit.
+PENDING_SPLIT = {"pipeline/publish/report.py", "pipeline/serve/tuning.py", "pipeline/serve/serve_check.py",
+                 "pipeline/build/variants/int8.py"}
+
+
 def test_no_source_file_over_the_limit():
     long = {str(p.relative_to(REPO_ROOT)): n for top in ("pipeline", "handlers", "stages")
             for p in _sources(top) if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"files over {MAX_LINES} lines (split them along their seams): {long}"
+    new = {k: v for k, v in long.items() if k not in PENDING_SPLIT}
+    assert not new, f"files over {MAX_LINES} lines (split them along their seams): {new}"
+    done = sorted(PENDING_SPLIT - set(long))
+    assert not done, f"split already, drop them from PENDING_SPLIT: {done}"
