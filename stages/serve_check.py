@@ -17,9 +17,12 @@ from typing import Optional
 
 from pipeline.core.params import ParamsError, as_dict, load_params
 from pipeline.core.paths import BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR
-from pipeline.serve.serve_check import ServerSpec, load_http_cases, serve_check, tolerance_from_mar
+from pipeline.core.numbers import rounded
+from pipeline.serve.http_cases import load_http_cases, tolerance_from_mar
+from pipeline.serve.serve_check import ServerSpec, serve_check
 from pipeline.serve.server_floor import measure_server_floor, readiness_vs_floor
 from pipeline.serve.startup_check import startup_evidence
+from pipeline.serve.torchserve import start_command_env
 from pipeline.decide.store_form import FORMS, form_of, store_entry
 
 log = logging.getLogger("stages.serve_check")
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
     derivation_path = SERVE_DIR / "derivation.json"
     derivation = json.loads(derivation_path.read_text()) if derivation_path.is_file() else None
     form = form_of(derivation)
-    env = start_env(SERVE_DIR, name, MODEL_STORE, config)
+    env = start_env(SERVE_DIR)
     # The chosen store form gets every check; the other one (when published) its READY, same run.
     forms = {f: ServerSpec(name, MODEL_STORE, config, mar=store_entry(name, f), env=env) for f in FORMS
              if (MODEL_STORE / store_entry(name, f)).exists()}
@@ -71,7 +74,7 @@ def main(argv=None) -> int:
     alternate = next((spec for f, spec in forms.items() if f != form), None)
     # The server's own floor, measured first, as the model is served (pipeline/serve/server_floor.py):
     # READY is judged against floor + raw read of the artifact.
-    floor = measure_server_floor(workers=served_workers(derivation), config=config, env=env)
+    floor = measure_server_floor(workers=workers_in_derivation(derivation), config=config, env=env)
     record = serve_check(forms[form], baseline, cases, task=params.model.task,
                          atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,
                          concurrency=sc.concurrency, time_cap_s=sc.time_cap_s, alternate=alternate,
@@ -87,8 +90,8 @@ def main(argv=None) -> int:
     r = record["ratios"]
     log.info("wrote %s: READY %.2f s, parity %s, %d/%d ok, p99 %s ms, %s req/s; ratios vs baseline: "
              "load %s, throughput %s, p99 %s", SERVE_CHECK_JSON, record["ready_s"] or float("nan"),
-             record["parity_ok"], record["requests_ok"], record["requests_sent"], _r(record["p99_ms"]),
-             _r(record["throughput_rps"]), _r(r["load"]), _r(r["throughput"]), _r(r["p99"]))
+             record["parity_ok"], record["requests_ok"], record["requests_sent"], rounded(record["p99_ms"]),
+             rounded(record["throughput_rps"]), rounded(r["load"]), rounded(r["throughput"]), rounded(r["p99"]))
     if not record["ok"]:
         for f in record["failures"]:
             log.error("serve_check failed: %s", f)
@@ -101,7 +104,6 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dic
     (pipeline/serve/reference_rounds.py); the checks already run count as round 1."""
     from pipeline.serve.handtuned import read_handtuned
     from pipeline.serve.reference_rounds import interleaved_rounds, ratios
-    from pipeline.serve.tuning import thread_env
     sc, name = params.serve_check, params.model.name
     specs, first = {"winner": winner}, {"winner": record["winner"]}
     handtuned = read_handtuned(HANDTUNED_DIR) if sc.handtuned else {"available": False,
@@ -111,7 +113,7 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dic
                                                    f"{name!r}: re-run the archive stage"}
     if handtuned.get("available"):
         specs["handtuned"] = ServerSpec(name, HANDTUNED_DIR, HANDTUNED_DIR / "config.properties",
-                                        mar=handtuned.get("mar"), env=thread_env(1))
+                                        mar=handtuned.get("mar"), env=start_command_env(1))
     else:
         log.warning("hand-tuned reference not measured: %s", handtuned.get("reason"))
     if baseline is not None and record.get("baseline_detail"):
@@ -131,28 +133,21 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dic
     return out
 
 
-def served_workers(derivation: Optional[dict]) -> int:
+def workers_in_derivation(derivation: Optional[dict]) -> int:
     """The worker count configure derived (derivation.json), 1 when unknown."""
     value = ((derivation or {}).get("workers") or {}).get("value")
     return int(value) if value else 1
 
 
-def start_env(serve_dir, name, store, config) -> dict:
+def start_env(serve_dir) -> dict:
     """The environment of the generated start command (thread counts from model-config.yaml's
     `handler.threads`), so the server runs as it will be deployed."""
     import yaml
 
-    from pipeline.decide.properties import start_command
     path = serve_dir / "model-config.yaml"
     cfg = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
     threads = (cfg.get("handler") or {}).get("threads")
-    if not threads:
-        return {}
-    return start_command(model_name=name, model_store=store, config_path=config, threads=int(threads))["env"]
-
-
-def _r(x):
-    return None if x is None else round(x, 3)
+    return start_command_env(int(threads)) if threads else {}
 
 
 if __name__ == "__main__":

@@ -27,10 +27,13 @@ from pipeline.core.paths import (BENCHMARK_METRICS, CONFIGURED_DIR, CONTENDERS, 
                             SERVE_DIR, TUNING_METRICS, VARIANTS_DIR)
 from pipeline.decide.properties import ConfigWriteError, write_serve_files
 from pipeline.decide.selection import tied_contenders
-from pipeline.serve.serve_check import load_http_cases
+from pipeline.serve.http_cases import load_http_cases
 from pipeline.decide.serve_config import DerivationError, curve_from_benchmark, usable_cores, values
-from pipeline.serve.tuning import (Contender, ServedModel, TuneSettings, TuningError, candidates_from_curve,
-                             frontend_properties, progress_bar, tune, tuned_derivation, variant_contest)
+from pipeline.serve.candidates import FRONTEND_CANDIDATES, candidates_from_curve
+from pipeline.serve.decision import TuningError
+from pipeline.serve.tuner import ServedModel
+from pipeline.serve.tuning import (Contender, TuneSettings, frontend_properties, progress_bar, tune, tuned_derivation,
+                                   variant_contest)
 
 log = logging.getLogger("stages.tune")
 
@@ -167,7 +170,6 @@ def run_contest(params, env: dict, proposals: dict, contenders: list[str], cases
 def fits_side_by_side(candidates, benchmark: dict, env: dict, memory_share: float) -> bool:
     """Every candidate's workers (and the frontend variants of the largest) held at once within the
     memory share of the host: peak RSS per worker from the benchmark; unknown → no."""
-    from pipeline.serve.tuning import FRONTEND_CANDIDATES
     rss = max([float(p["peak_rss_mb"]) for p in (benchmark.get("steady") or {}).values()
                if isinstance(p, dict) and p.get("peak_rss_mb")] or [0.0])
     host = env.get("memory_mb")

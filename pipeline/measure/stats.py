@@ -6,6 +6,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
+from pipeline.core.numbers import rounded
+
 
 def percentile(samples: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
@@ -17,10 +19,6 @@ def percentile(samples: Sequence[float], q: float) -> float:
     pos = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(pos), math.ceil(pos)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def _r(x: float | None, nd: int = 3) -> float | None:
-    return None if x is None else round(float(x), nd)
 
 
 @dataclass(frozen=True)
@@ -72,13 +70,13 @@ class LatencySummary:
     def as_dict(self) -> dict:
         return {
             "batch_size": self.batch_size,
-            "p50_ms": _r(self.p50_s * 1e3),
-            "p90_ms": _r(self.p90_s * 1e3),
-            "p99_ms": _r(self.p99_s * 1e3),
-            "mean_ms": _r(self.mean_s * 1e3),
-            "stdev_ms": _r(self.stdev_s * 1e3),
-            "cv": _r(self.cv, 4),
-            "throughput_sps": _r(self.throughput_sps, 2),
+            "p50_ms": rounded(self.p50_s * 1e3),
+            "p90_ms": rounded(self.p90_s * 1e3),
+            "p99_ms": rounded(self.p99_s * 1e3),
+            "mean_ms": rounded(self.mean_s * 1e3),
+            "stdev_ms": rounded(self.stdev_s * 1e3),
+            "cv": rounded(self.cv, 4),
+            "throughput_sps": rounded(self.throughput_sps, 2),
             "iters": self.iters,
         }
 
@@ -118,7 +116,7 @@ class RepeatedLatency:
 
     def as_dict(self) -> dict:
         return {**self.pooled.as_dict(), "rounds": len(self.rounds),
-                "round_p50_ms": [_r(r.p50_s * 1e3) for r in self.rounds], "spread": _r(self.spread, 4)}
+                "round_p50_ms": [rounded(r.p50_s * 1e3) for r in self.rounds], "spread": rounded(self.spread, 4)}
 
     def render(self) -> str:
         p50s = ", ".join(f"{r.p50_s * 1e3:.2f}" for r in self.rounds)
@@ -140,7 +138,7 @@ class PhaseSummary:
         return cls(name, statistics.median(xs), max(xs))
 
     def as_dict(self) -> dict:
-        return {"median": _r(self.median_s * 1e3), "max": _r(self.max_s * 1e3)}
+        return {"median": rounded(self.median_s * 1e3), "max": rounded(self.max_s * 1e3)}
 
 
 # Phases a cold start goes through, in order: interpreter start, import of the runtime, read of the
@@ -179,16 +177,16 @@ class ColdLoadSummary:
     def floor_ratios(self) -> dict[str, float | None]:
         if self.raw_read_s <= 0:
             return {"read": None, "load": None}
-        return {"read": _r(self.phases["read"].median_s / self.raw_read_s, 2),
-                "load": _r(self.load_s / self.raw_read_s, 2)}
+        return {"read": rounded(self.phases["read"].median_s / self.raw_read_s, 2),
+                "load": rounded(self.load_s / self.raw_read_s, 2)}
 
     def as_dict(self) -> dict:
         mb_s = (self.artifact_bytes / 2**20 / self.raw_read_s) if self.raw_read_s > 0 else None
         return {
             "runs": self.runs,
             "phases_ms": {n: p.as_dict() for n, p in self.phases.items()},
-            "raw_read_ms": _r(self.raw_read_s * 1e3),
-            "raw_read_mb_s": _r(mb_s, 1),
+            "raw_read_ms": rounded(self.raw_read_s * 1e3),
+            "raw_read_mb_s": rounded(mb_s, 1),
             # (read + deserialize + to_device) / raw read of the same bytes: how far loading is from the floor
             "load_floor_ratio": self.floor_ratios()["load"],
             "floor_ratios": self.floor_ratios(),
@@ -224,21 +222,21 @@ class DiskLoad:
 
     @property
     def load_ratio(self) -> Optional[float]:
-        return _r(self.load_s / self.raw_read_s, 2) if self.raw_read_s and not self.reason else None
+        return rounded(self.load_s / self.raw_read_s, 2) if self.raw_read_s and not self.reason else None
 
     def as_dict(self) -> dict:
         if self.reason:
-            return {"measured": False, "reason": self.reason, "resident_after_drop": _r(self.resident_share)}
+            return {"measured": False, "reason": self.reason, "resident_after_drop": rounded(self.resident_share)}
         mb_s = self.artifact_bytes / 2**20 / self.raw_read_s if self.raw_read_s else None
         return {"measured": True,
-                "phases_ms": {n: _r(v * 1e3) for n, v in self.phases.items()},
-                "load_ms": _r(self.load_s * 1e3),
-                "total_ms": _r(self.phases.get("total", 0.0) * 1e3),
-                "raw_read_ms": _r(self.raw_read_s * 1e3 if self.raw_read_s else None),
-                "raw_read_mb_s": _r(mb_s, 1),
+                "phases_ms": {n: rounded(v * 1e3) for n, v in self.phases.items()},
+                "load_ms": rounded(self.load_s * 1e3),
+                "total_ms": rounded(self.phases.get("total", 0.0) * 1e3),
+                "raw_read_ms": rounded(self.raw_read_s * 1e3 if self.raw_read_s else None),
+                "raw_read_mb_s": rounded(mb_s, 1),
                 # (read + deserialize + to_device) / the disk read of the same bytes
                 "load_floor_ratio": self.load_ratio,
-                "resident_after_drop": _r(self.resident_share)}
+                "resident_after_drop": rounded(self.resident_share)}
 
     def render(self) -> str:
         if self.reason:

@@ -19,7 +19,9 @@ import logging
 import statistics
 from typing import Any, Optional
 
-from pipeline.serve.serve_check import HttpCase, ServerSpec, check_server
+from pipeline.core.numbers import rounded
+from pipeline.serve.http_cases import HttpCase
+from pipeline.serve.serve_check import ServerSpec, check_server
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +87,8 @@ def interleaved_rounds(specs: dict[str, ServerSpec], cases: list[HttpCase], *, t
                          concurrency=concurrency, time_cap_s=time_cap_s, bad_inputs=False, parity=False)
         per[name].append(_figures(r, round_no))
         f = per[name][-1]
-        log.info("round %d %-10s READY %s s, %s req/s, p99 %s ms", round_no, name, _r(f["ready_s"]),
-                 _r(f["throughput_rps"]), _r(f["p99_ms"]))
+        log.info("round %d %-10s READY %s s, %s req/s, p99 %s ms", round_no, name, rounded(f["ready_s"], 2),
+                 rounded(f["throughput_rps"], 2), rounded(f["p99_ms"], 2))
 
     for name in names:
         if name in done:
@@ -103,7 +105,3 @@ def interleaved_rounds(specs: dict[str, ServerSpec], cases: list[HttpCase], *, t
         for k in range(len(served)):
             serve(served[(k + rnd) % len(served)], rnd + 1)
     return {n: summarise(per[n], slo_ms) for n in names}
-
-
-def _r(x):
-    return None if x is None else round(x, 2)

@@ -30,7 +30,7 @@ from typing import Optional
 
 import psutil
 
-from pipeline.decide.properties import format_properties
+from pipeline.decide.properties import format_properties, start_command
 from pipeline.serve.torchserve_http import HOST, Client, Response, ServerApi, TorchServeError, read_properties  # noqa: F401
 from pipeline.serve.torchserve_logs import ServerLogs, read_from, tail
 POLL_S = 0.05
@@ -80,6 +80,12 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def start_command_env(threads: int) -> dict:
+    """The environment the generated start command sets for `threads` threads per worker (its
+    thread variables: pipeline/decide/properties.start_command), so a server runs as deployed."""
+    return start_command(model_name="m", model_store=".", config_path=".", threads=threads)["env"]
 
 
 def _torchserve_cli() -> str:

@@ -27,6 +27,14 @@ class Response:
     def json(self):
         return json.loads(self.body.decode("utf-8"))
 
+    def error_text(self) -> str:
+        """The error a non-200 answer carries (its `error` / `message` field, else the body), briefly."""
+        try:
+            doc = self.json()
+            return str(doc.get("error") or doc.get("message") or doc)[:200] if isinstance(doc, dict) else str(doc)[:200]
+        except (ValueError, UnicodeDecodeError):
+            return self.body[:200].decode("utf-8", "replace")
+
 
 class Client:
     """One keep-alive HTTP connection (use one per thread). Reconnects after the server closes

@@ -1,4 +1,4 @@
-"""pipeline/serve/serve_check.py and stages/serve_check.py.
+"""pipeline/serve/{serve_check,http_cases,parity,bad_input,load}.py and stages/serve_check.py.
 
 Pure logic first (response comparison, bad-input cases, inputs), then the checks against a real
 TorchServe serving the tiny double model of tests/serve/test_torchserve.py, and the stage end to end
@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from pipeline.decide.properties import write_config_properties
-from pipeline.serve.serve_check import (HttpCase, ServerSpec, bad_input_cases, check_bad_inputs, check_parity,
-                                  compare_response, load_http_cases, run_load, tolerance_from_mar)
+from pipeline.serve.bad_input import bad_input_cases, check_bad_inputs
+from pipeline.serve.http_cases import HttpCase, load_http_cases, tolerance_from_mar
+from pipeline.serve.load import run_load
+from pipeline.serve.parity import check_parity, compare_response
 from pipeline.serve.torchserve import TorchServe
 from tests.serve.test_torchserve import DERIVED, assert_nothing_left, build_mar
 

@@ -1,4 +1,4 @@
-"""pipeline/serve/tuning.py and stages/tune.py: the served operating point, tested in a real TorchServe.
+"""pipeline/serve/{candidates,decision,tuner,tuning}.py and stages/tune.py: the served operating point, tested in a real TorchServe.
 
 The model is a tiny handler whose every call costs a fixed sleep plus a per-item sleep (set in its
 model-config.yaml `handler:` section): under 8 requests in flight, batching wins in the server by a
@@ -11,7 +11,6 @@ import dataclasses
 import json
 import math
 import shutil
-from pathlib import Path
 
 import psutil
 import pytest
@@ -19,10 +18,12 @@ import yaml
 
 from pipeline.serve.archive import package
 from pipeline.decide.properties import write_config_properties
-from pipeline.serve.serve_check import HttpCase
 from pipeline.decide.serve_config import CurvePoint
-from pipeline.serve.tuning import (CandidateResult, Contender, OperatingCandidate, ServedModel, TuneSettings,
-                             candidates_from_curve, decide, slo_verdict, tune, tuned_derivation, variant_contest)
+from pipeline.serve.candidates import OperatingCandidate, candidates_from_curve
+from pipeline.serve.decision import CandidateResult, decide, frontend_worth_tuning, settle, slo_verdict
+from pipeline.serve.http_cases import HttpCase
+from pipeline.serve.tuner import ServedModel
+from pipeline.serve.tuning import Contender, TuneSettings, tune, tuned_derivation, variant_contest
 from tests.serve.test_torchserve import DERIVED
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
@@ -66,7 +67,6 @@ def _result(c, rounds):
 def test_frontend_is_tuned_only_where_the_server_loses_throughput_outside_the_model():
     """bert-large's chosen point served 34.1 of the 34.3 req/s predicted: nothing for a frontend
     setting to win, so its six server starts are saved; MiniLM's 300 of 558 req/s: worth serving."""
-    from pipeline.serve.tuning import frontend_worth_tuning
     big = _result(_cand("batch 4", 4, predicted={"throughput_rps": 34.3}), [(34.0, 570.0), (34.2, 580.0)])
     worth, why = frontend_worth_tuning(big)
     assert not worth and "34.1 req/s of the 34.3" in why and "not served" in why
@@ -119,7 +119,6 @@ def test_the_noise_band_shrinks_with_rounds_and_an_undecided_challenger_gets_mor
     """spread = 2 standard errors of the mean (the range for 2 rounds): the same scatter over more
     rounds narrows it. A challenger better by more than min_gain but within the band is 'undecided';
     settle() serves it and the incumbent more rounds until the band decides, up to max_rounds."""
-    from pipeline.serve.tuning import settle
     off, big = _cand("offline", 4, origin="offline"), _cand("batch 8", 8)
     two = _result(off, [(100, 50), (120, 50)])
     assert two.spread("throughput_rps") == pytest.approx(20 / 110)

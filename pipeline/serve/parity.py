@@ -1,0 +1,139 @@
+"""HTTP parity: the served answers against the reference ones, one by one and concurrently (so they batch)."""
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+from pipeline.accuracy import task_gate
+from pipeline.serve.http_cases import HttpCase
+from pipeline.serve.torchserve import Client, TorchServe
+
+
+def compare_response(got: Any, expected: Any, atol: float, rtol: float) -> tuple[bool, float, str]:
+    """(ok, max_abs_error, first mismatch) between a handler response and the reference one.
+    Numbers within atol + rtol·|expected|; everything else equal. Classification `top_k`: the top-1
+    class must match and every class in both lists must have its probability within tolerance
+    (near-ties may swap lower ranks)."""
+    worst = [0.0]
+
+    def walk(g, e, where) -> str:
+        if isinstance(e, bool) or e is None or isinstance(e, str):
+            return "" if g == e else f"{where}: got {g!r}, expected {e!r}"
+        if isinstance(e, (int, float)):
+            if isinstance(g, bool) or not isinstance(g, (int, float)):
+                return f"{where}: got {g!r}, expected the number {e!r}"
+            err = abs(float(g) - float(e))
+            if not math.isfinite(err):
+                return f"{where}: got {g!r}, expected {e!r}"
+            worst[0] = max(worst[0], err)
+            return "" if err <= atol + rtol * abs(float(e)) else f"{where}: got {g!r}, expected {e!r} (|err| {err:.3g})"
+        if isinstance(e, dict):
+            if not isinstance(g, dict):
+                return f"{where}: got {type(g).__name__}, expected an object"
+            if set(g) != set(e):
+                return f"{where}: keys {sorted(g)} != expected {sorted(e)}"
+            if "top_k" in e and isinstance(e["top_k"], list):
+                msg = top_k(g["top_k"], e["top_k"], f"{where}.top_k")
+                rest = {k: v for k, v in e.items() if k != "top_k"}
+                return msg or next((m for k, v in rest.items() if (m := walk(g[k], v, f"{where}.{k}"))), "")
+            return next((m for k, v in e.items() if (m := walk(g[k], v, f"{where}.{k}"))), "")
+        if isinstance(e, list):
+            if not isinstance(g, list) or len(g) != len(e):
+                return f"{where}: got {type(g).__name__} of length {len(g) if isinstance(g, list) else '-'}, expected length {len(e)}"
+            return next((m for i, (gi, ei) in enumerate(zip(g, e)) if (m := walk(gi, ei, f"{where}[{i}]"))), "")
+        return "" if g == e else f"{where}: got {g!r}, expected {e!r}"
+
+    def top_k(g, e, where) -> str:
+        if not isinstance(g, list) or not g or not e:
+            return f"{where}: got {g!r}, expected a non-empty list"
+        if g[0].get("index") != e[0].get("index"):
+            return f"{where}: top-1 class {g[0].get('index')} != expected {e[0].get('index')}"
+        got_p = {c.get("index"): c for c in g}
+        for c in e:
+            if c.get("index") in got_p:
+                m = walk(got_p[c["index"]], c, f"{where}[index={c['index']}]")
+                if m:
+                    return m
+        return ""
+
+    msg = walk(got, expected, "response")
+    return (not msg, worst[0], msg)
+
+
+def response_within(got: Any, expected: Any, atol: float, rtol: float,
+                    gate: Optional[dict] = None) -> tuple[bool, float, str]:
+    """compare_response; for a tolerance with `gate: task` (int8) and an embedding / classification
+    answer, the task gate's per-response part instead (pipeline/accuracy/task_gate.py)."""
+    if task_gate.uses_task_gate(gate, task_gate.response_kind(expected)):
+        return task_gate.check_response(got, expected, gate)
+    return compare_response(got, expected, atol, rtol)
+
+
+def check_parity(ts: TorchServe, cases: list[HttpCase], atol: float, rtol: float,
+                 concurrency: int, gate: Optional[dict] = None) -> dict:
+    """Every golden case one by one, then all of them concurrently (so they batch). With a task
+    gate (int8) the sequential answers must also meet its figures over all cases (recall@k, top-1
+    agreement...), recorded under `task_gate`."""
+    def run(case: HttpCase, client: Client) -> dict:
+        r = client.request("POST", ts.api.predictions_path(), case.body, case.content_type)
+        if r.status != 200:
+            return {"id": case.id, "ok": False, "max_abs": None,
+                    "error": f"HTTP {r.status}: {r.body[:300].decode('utf-8', 'replace')}"}
+        try:
+            got = r.json()
+        except (ValueError, UnicodeDecodeError):
+            return {"id": case.id, "ok": False, "max_abs": None, "error": "response is not JSON"}
+        ok, err, msg = response_within(got, case.expected, atol, rtol, gate)
+        return {"id": case.id, "ok": ok, "max_abs": err, "error": msg or None, "_answer": (got, case.expected)}
+
+    client = ts.api.client()
+    try:
+        sequential = [run(c, client) for c in cases]
+    finally:
+        client.close()
+    answers = [r.pop("_answer") for r in sequential if "_answer" in r]
+    concurrent = concurrently(cases, run, ts, max(1, concurrency))
+    for r in concurrent:
+        r.pop("_answer", None)
+    results = sequential + concurrent
+    failures = [r for r in results if not r["ok"]]
+    errs = [r["max_abs"] for r in results if r["max_abs"] is not None]
+    out = {"ok": not failures, "cases": len(cases), "atol": atol, "rtol": rtol,
+           "max_abs_error": max(errs) if errs else None,
+           "failures": failures[:10]}
+    if gate and gate.get("gate") == "task":
+        out = _judged_by_task_gate(out, answers, gate)
+    return out
+
+
+def _judged_by_task_gate(out: dict, answers: list[tuple[Any, Any]], gate: dict) -> dict:
+    """The parity record with the task gate's figures over all sequential answers, failing on a miss."""
+    figures = task_gate.responses_figures(answers, gate)
+    if figures is None:
+        return out
+    miss = task_gate.judge(figures, gate)
+    out.update(task_gate=figures, gate=gate, ok=out["ok"] and miss is None)
+    if miss:
+        out["failures"] = [{"id": "all cases", "ok": False, "error": miss}] + out["failures"][:9]
+    return out
+
+
+def concurrently(items: list, fn, ts: TorchServe, threads: int) -> list:
+    """fn(item, client) for every item, up to `threads` at once, released together."""
+    threads = min(threads, len(items))
+    barrier = threading.Barrier(threads)
+    local = threading.local()
+
+    def call(item):
+        if not hasattr(local, "client"):
+            local.client = ts.api.client()
+            try:
+                barrier.wait(timeout=10)
+            except threading.BrokenBarrierError:
+                pass
+        return fn(item, local.client)
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(call, items))
