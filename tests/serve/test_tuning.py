@@ -12,7 +12,6 @@ import json
 import math
 import shutil
 
-import psutil
 import pytest
 import yaml
 
@@ -22,6 +21,7 @@ from pipeline.decide.serve_config import CurvePoint
 from pipeline.serve.candidates import OperatingCandidate, candidates_from_curve
 from pipeline.serve.decision import CandidateResult, decide, frontend_worth_tuning, settle, slo_verdict
 from pipeline.serve.http_cases import HttpCase
+from pipeline.serve.torchserve import processes_of
 from pipeline.serve.tuner import ServedModel
 from pipeline.serve.tuning import Contender, TuneSettings, tune, tuned_derivation, variant_contest
 from tests.serve.test_torchserve import DERIVED
@@ -208,9 +208,10 @@ def cost_model(tmp_path_factory):
     return ServedModel(store, "cost", folder.name, config, base_yaml)
 
 
-def _no_server_left():
-    left = [p for p in psutil.process_iter(["cmdline"])
-            if "tune-" in " ".join(p.info.get("cmdline") or []) and "java" in " ".join(p.info.get("cmdline") or [])]
+def _no_server_left(root):
+    """None of this test's servers (their folders under `root`) left running; other runs on the
+    host may have theirs up meanwhile."""
+    left = processes_of(root)
     assert left == [], f"TorchServe processes left behind: {left}"
 
 
@@ -230,9 +231,15 @@ def test_tuner_replaces_the_offline_choice_when_bigger_batches_serve_better(cost
     assert len(by["batch 8"]["rounds"]) == 2 and rec["slo_met"] is True
     # One server for both candidates: the model re-registered between measurements, not restarted.
     assert rec["server_starts"] == 1 and rec["registrations"] == 3
-    assert rec["slo_met"] == (rec["served_p99_ms"] <= 1000) and rec["duration_s"] > 0
+    assert rec["slo_met"] == (rec["served_p99_ms"] <= 1000)
+    # The tuning's wall time holds its disjoint phases: the server's start, each re-registration
+    # (every round's ready_s: the first is the start) and each measure_s window of load.
+    rounds = [r for c in rec["candidates"] for r in c["rounds"]]
+    assert round(rounds[0]["ready_s"], 2) == rec["server_start_s"][0]     # the first measurement: the start's READY
+    assert sum(r["ready_s"] for r in rounds) + len(rounds) * s.measure_s <= rec["duration_s"] + 0.05
+    _assert_throughput_is_requests_over_the_window(rounds, s.measure_s, rec["duration_s"])
     assert rec["predicted_request_p99_ms"] == 26.0          # the prediction stays beside the served figure
-    _no_server_left()
+    _no_server_left(tmp_path)
 
 
 @pytest.mark.torchserve
@@ -253,7 +260,7 @@ def test_infeasible_slo_is_not_met_with_the_replica_count(cost_model, tmp_path):
     assert inflight is not None and 1 <= inflight < 8, rec["capacity"]
     assert rec["replicas"] == math.ceil(8 / inflight)
     assert f"replicas = ceil(8 / {inflight}) = {rec['replicas']}" in rec["message"]
-    _no_server_left()
+    _no_server_left(tmp_path)
 
 
 @pytest.mark.torchserve
@@ -277,8 +284,19 @@ def test_variant_contest_serves_the_offline_tie_and_the_faster_variant_replaces_
     assert by["fast"]["throughput_rps"] > 2 * by["slow"]["throughput_rps"], rec["candidates"]
     assert rec["chosen"] == "fast" and rec["replaced_selection"] is True
     assert any("beyond the noise" in step and "taken" in step for step in rec["decision_steps"])
-    assert rec["server_starts"] == 4 and rec["duration_s"] > 0       # a fresh server per measurement
-    _no_server_left()
+    assert rec["server_starts"] == 4           # a fresh server per measurement
+    rounds = [r for c in rec["candidates"] for r in c["rounds"]]
+    assert sum(r["ready_s"] for r in rounds) + len(rounds) * s.measure_s <= rec["duration_s"] + 0.05
+    _assert_throughput_is_requests_over_the_window(rounds, s.measure_s, rec["duration_s"])
+    _no_server_left(tmp_path)
+
+
+def _assert_throughput_is_requests_over_the_window(rounds: list[dict], measure_s: float, duration_s: float) -> None:
+    """Each round's throughput is its answered requests over its load's wall time, and that wall
+    time is at least the measure_s window (no request is started after it) and inside the tuning."""
+    for r in rounds:
+        wall_s = r["requests_ok"] / r["throughput_rps"]
+        assert measure_s <= wall_s <= duration_s, r
 
 
 def test_the_contenders_are_selections_tie_closest_first():
@@ -340,7 +358,12 @@ def _stage_inputs(tmp_path, tensor_params, monkeypatch, serve: dict) -> dict:
 def test_stage_require_slo_fails_with_the_served_reason(tmp_path, tensor_params, monkeypatch, capsys):
     """An SLO no server meets (0.5 ms at 16 in flight): served verdict false, replicas reasoned,
     the tuned files still written for inspection, and require_slo fails the stage with the message."""
+    import tempfile
+
     import stages.tune as stage
+    # The stage's servers in a folder of this test's own, short (a worker's socket path has a length limit).
+    servers = tempfile.mkdtemp(prefix="tune-test-")
+    monkeypatch.setattr(tempfile, "tempdir", servers)
     paths = _stage_inputs(tmp_path, tensor_params, monkeypatch,
                           {"latency_slo_ms": 0.5, "require_slo": True, "expected_concurrency": 4})
     assert stage.main([]) == 1
@@ -354,12 +377,19 @@ def test_stage_require_slo_fails_with_the_served_reason(tmp_path, tensor_params,
     assert rec["settings"]["side_by_side"] and rec["registrations"] == 0
     assert rec["server_starts"] == len(rec["candidates"]) + 1
     metrics = json.loads(paths["TUNING_METRICS"].read_text())
-    assert metrics["slo_met"] is False and metrics["duration_s"] > 0
+    assert metrics["slo_met"] is False and metrics["duration_s"] == rec["duration_s"]
+    # Every server start (side by side, then the capacity one) and every measured window of load
+    # (1 s each: a round per candidate, then each capacity level) lie inside the tuning's wall time.
+    windows = sum(1 for c in rec["candidates"] for r in c["rounds"] if r["ok"]) + \
+        sum(1 for level in rec["capacity"]["levels"] if level["ok"])
+    assert len(rec["server_start_s"]) == rec["server_starts"]
+    assert sum(rec["server_start_s"]) + windows * 1.0 <= rec["duration_s"] + 0.1
     d = json.loads((paths["SERVE_DIR"] / "derivation.json").read_text())
     assert "offline" in d["batch_size"]["inputs"] and "served" in d["batch_size"]["inputs"]
     for f in ("model-config.yaml", "config.properties", "start_command.txt"):
         assert (paths["SERVE_DIR"] / f).is_file()
-    _no_server_left()
+    _no_server_left(servers)
+    shutil.rmtree(servers, ignore_errors=True)
 
 
 def test_when_nothing_meets_the_slo_the_incumbent_stays_within_noise():
