@@ -16,8 +16,10 @@ import sys
 from typing import Optional
 
 from pipeline.core.params import ParamsError, as_dict, load_params
-from pipeline.core.paths import BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR
+from pipeline.core.paths import (BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR,
+                                 benchmark_json)
 from pipeline.core.numbers import rounded
+from pipeline.serve.ceiling import CEILING, ceiling_spec, model_alone_rps, served_bound, served_variant
 from pipeline.serve.http_cases import load_http_cases, tolerance_from_mar
 from pipeline.serve.serve_check import ServerSpec, serve_check
 from pipeline.serve.server_floor import measure_server_floor, readiness_vs_floor
@@ -118,6 +120,9 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dic
         log.warning("hand-tuned reference not measured: %s", handtuned.get("reason"))
     if baseline is not None and record.get("baseline_detail"):
         specs["baseline"], first["baseline"] = baseline, record["baseline_detail"]
+    # The server's own ceiling: a do-nothing handler served as the model is, in the same rounds.
+    if (SERVE_DIR / "model-config.yaml").is_file():
+        specs[CEILING] = ceiling_spec(name, SERVE_DIR / "model-config.yaml", winner.config, env=winner.env)
     setups = interleaved_rounds(specs, cases, task=params.model.task, rounds=sc.rounds, requests=sc.requests,
                                 concurrency=sc.concurrency, time_cap_s=sc.time_cap_s,
                                 slo_ms=params.serve.latency_slo_ms, first_round=first,
@@ -128,8 +133,31 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dic
            "setups": setups,
            "ratios_handtuned": ratios(setups["winner"], setups["handtuned"]) if "handtuned" in setups else None,
            "ratios_baseline": ratios(setups["winner"], setups["baseline"]) if "baseline" in setups else None}
+    out["load"] = {"clients": sc.concurrency, "connections": "keep-alive, one per client (as production clients hold them)",
+                   "requests": sc.requests, "time_cap_s": sc.time_cap_s,
+                   "bodies": "the golden HTTP cases, cycled (the task's example requests)"}
+    out["bound"] = bound_of(name, setups)
     if out["ratios_handtuned"]:
         log.info("winner / hand-tuned over %d interleaved rounds: %s", sc.rounds, out["ratios_handtuned"])
+    b = out["bound"]
+    log.info("served %s req/s of a bound %s (ceiling %s, model alone %s): %s", b["served_rps"], b["bound_rps"],
+             b["ceiling_rps"], b["model_alone_rps"], b["served_vs_bound"])
+    return out
+
+
+def bound_of(name: str, setups: dict) -> dict:
+    """Served vs what the server and the model together permit (pipeline/serve/ceiling.py)."""
+    derivation_path = SERVE_DIR / "derivation.json"
+    derivation = json.loads(derivation_path.read_text()) if derivation_path.is_file() else {}
+    batch = ((derivation.get("batch_size") or {}).get("value"))
+    workers = workers_in_derivation(derivation)
+    variant = served_variant(MODEL_STORE, name)
+    bench_path = benchmark_json(variant) if variant else None
+    bench = json.loads(bench_path.read_text()) if bench_path and bench_path.is_file() else {}
+    model = model_alone_rps(bench, int(batch), workers) if batch else None
+    ceiling = (setups.get(CEILING) or {}).get("throughput_rps")
+    out = served_bound((setups.get("winner") or {}).get("throughput_rps"), ceiling, model)
+    out["variant"] = variant
     return out
 
 

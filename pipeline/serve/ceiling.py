@@ -1,0 +1,73 @@
+"""The speed the host allows: the server's own ceiling, the model alone, and the bound they make.
+
+The ceiling is a do-nothing handler served exactly as the model is (the same config.properties, the
+model's own model-config.yaml: batch size, max batch delay, workers; the same name, so the same URL)
+under the same load. The model alone is the benchmark's steady-state rate at the served batch size,
+one process per worker. When the server's per-request work and the model's share the same cores,
+their costs add, so the served rate cannot pass
+
+    bound = 1 / (1 / ceiling + 1 / model_alone)
+
+and `served / bound` says how much of the host the handler's own per-request path loses on top.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from pipeline.core.numbers import rounded
+from pipeline.serve.server_floor import NOOP_HANDLER
+from pipeline.serve.serve_check import ServerSpec
+
+CEILING = "ceiling"
+
+
+def ceiling_spec(name: str, model_config: Path, config: Optional[Path], env: Optional[dict] = None,
+                 workdir: Optional[Path] = None) -> ServerSpec:
+    """A .mar named `name` whose handler does nothing, packed with the served model-config.yaml."""
+    from pipeline.serve.archive import package
+    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="server-ceiling-"))
+    src, store = root / "src", root / "store"
+    src.mkdir(parents=True, exist_ok=True)
+    handler = src / "noop_handler.py"
+    handler.write_text(NOOP_HANDLER)
+    package(name, handler, {}, store, config_file=model_config)
+    return ServerSpec(name, store, config, env=env)
+
+
+def served_variant(model_store: Path, name: str) -> Optional[str]:
+    """The variant the archive packed (variant.json of its unpacked folder, else of the .mar), None
+    when neither holds one."""
+    import zipfile
+    try:
+        folder = model_store / name / "variant.json"
+        if folder.is_file():
+            return json.loads(folder.read_text()).get("variant")
+        with zipfile.ZipFile(model_store / f"{name}.mar") as mar:
+            return json.loads(mar.read("variant.json")).get("variant")
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        return None
+
+
+def model_alone_rps(benchmark: dict, batch_size: int, workers: int) -> Optional[dict]:
+    """The benchmark's steady samples/s at `batch_size` (one process, the serving threads), times the
+    workers that each run one such process; None when that batch size was not measured."""
+    point = (benchmark.get("steady") or {}).get(str(batch_size))
+    if not point or not point.get("throughput_sps"):
+        return None
+    per_process = float(point["throughput_sps"])
+    return {"value": per_process * workers, "per_process_sps": per_process, "batch_size": batch_size,
+            "workers": workers, "threads_per_process": benchmark.get("threads"),
+            "formula": "workers x the benchmark's steady samples/s at the served batch size"}
+
+
+def served_bound(served_rps: Optional[float], ceiling_rps: Optional[float], model: Optional[dict]) -> dict:
+    """The bound, its inputs, and what the served rate reaches of it."""
+    alone = model["value"] if model else None
+    bound = 1.0 / (1.0 / ceiling_rps + 1.0 / alone) if ceiling_rps and alone else None
+    return {"served_rps": rounded(served_rps, 2), "ceiling_rps": rounded(ceiling_rps, 2),
+            "model_alone_rps": rounded(alone, 2), "model_alone": model,
+            "bound_rps": rounded(bound, 2), "formula": "1 / (1 / ceiling + 1 / model_alone)",
+            "served_vs_bound": rounded(served_rps / bound, 3) if served_rps and bound else None}
