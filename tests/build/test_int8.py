@@ -276,7 +276,8 @@ def test_smoothing_moves_the_outlier_into_the_weights_and_keeps_the_function(ext
     from onnx import numpy_helper
 
     from pipeline.build.variants import smoothing
-    from pipeline.build.variants.int8 import onnx_local_errors, weight_nodes
+    from pipeline.build.variants.onnx_int8 import weight_nodes
+    from pipeline.build.variants.onnx_int8_errors import onnx_local_errors
     from pipeline.build.variants.sensitivity import Calibration
     src = _mlp_onnx(outlier_models, 1000.0, tmp_path / "mlp.onnx")
     if external:
@@ -517,7 +518,7 @@ def test_per_channel_weight_cache_reproduces_ort_and_is_reused(outlier_models, t
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from pipeline.build.variants.int8 import weight_nodes
+    from pipeline.build.variants.onnx_int8 import weight_nodes
     from pipeline.build.variants.ort_quantizer import PerChannelWeightCache
     src = _mlp_onnx(outlier_models, 0.0, tmp_path / "fp32.onnx")
     nodes = weight_nodes(src)
@@ -551,7 +552,7 @@ def test_quantizer_refreshes_shapes_without_a_second_copy(outlier_models, tmp_pa
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from pipeline.build.variants.int8 import UNTYPED_AS_FLOAT, weight_nodes
+    from pipeline.build.variants.onnx_int8 import UNTYPED_AS_FLOAT, weight_nodes
     from pipeline.build.variants.ort_quantizer import one_model_copy
     src = _mlp_onnx(outlier_models, 0.0, tmp_path / "fp32.onnx")
     # Value_info for the weights too, as torch.onnx's dynamo export writes it: shape inference keeps
@@ -589,7 +590,7 @@ def test_calibration_over_the_graph_alone_gives_ort_s_ranges(method, outlier_mod
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, calibrate, quantize_static
 
-    from pipeline.build.variants.int8 import _FeedsReader, weight_nodes
+    from pipeline.build.variants.onnx_int8 import _FeedsReader, weight_nodes
     from pipeline.build.variants.ort_quantizer import calibrate_to_cache
     src = _mlp_onnx(outlier_models, 1000.0, tmp_path / "fp32.onnx")
     onnx.save(onnx.load(str(src)), str(src), save_as_external_data=True, location="fp32.onnx.data", size_threshold=0)
