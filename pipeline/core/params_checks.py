@@ -42,8 +42,11 @@ def check_model(p: Params) -> None:
                               "(the shape of ONE sample, batch dimension excluded, e.g. [16, 32])")
         if any(d <= 0 for d in m.input_shape):
             raise bad_value("model.input_shape", m.input_shape, "positive dimensions")
-    if MODEL_NAME.fullmatch(m.name) is None:
-        raise bad_value("model.name", m.name, "letters, digits, '_', '-', '.', starting with a letter or digit")
+
+
+def check_model_name(p: Params) -> None:
+    if MODEL_NAME.fullmatch(p.model.name) is None:
+        raise bad_value("model.name", p.model.name, "letters, digits, '_', '-', '.', starting with a letter or digit")
 
 
 def check_benchmark(p: Params) -> None:
@@ -147,10 +150,11 @@ def check_serve_check(p: Params) -> None:
          "a ratio >= 0, e.g. 0.25 (0: every round for every setup)")))
 
 
-# In params.yaml's order, so the first error reported is the first one a reader meets.
+# Run in this order, the first failing check's error the one reported: a params file with several
+# mistakes always names the same one first.
 CHECKS: tuple[Callable[[Params], None], ...] = (
     check_variants, check_model, check_benchmark, check_conversion, check_tolerances, check_int8,
-    check_serve, check_tune, check_serve_check)
+    check_serve, check_tune, check_serve_check, check_model_name)
 
 
 def check_semantics(p: Params) -> None:

@@ -109,6 +109,16 @@ def test_cross_field_rules():
     assert "`model.factory`" in error_of(params_with(model={**MODEL, "source": "state_dict", "factory": "nocolon"}))
 
 
+def test_several_mistakes_name_the_same_one_first():
+    """The cross-field checks run in a fixed order and the first failing one is reported."""
+    bad_name = {**MODEL, "name": "-m"}
+    assert "`model.name`" in error_of(params_with(model=bad_name))
+    both = error_of(params_with(model=bad_name, benchmark={"batch_sizes": [4, 2]}, tune={"rounds": 0}))
+    assert "`benchmark.batch_sizes`" in both and "model.name" not in both
+    assert "`tune.rounds`" in error_of(params_with(model=bad_name, tune={"rounds": 0}))
+    assert "`variants`" in error_of(params_with(variants=["onnx"], benchmark={"batch_sizes": [4, 2]}))
+
+
 def test_defaults_fill_in():
     params = parse_params(params_with())
     assert params.variants[0] == "eager" and params.model.trust_checkpoint is False
