@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from pipeline.core.params import REPO_ROOT, ParamsError, load_params
-from pipeline.publish.report import collect_inputs, write_report
+from pipeline.publish.report import write_report
+from pipeline.publish.report_inputs import collect_inputs
 
 log = logging.getLogger("stages.report")
 

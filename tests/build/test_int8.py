@@ -427,7 +427,9 @@ def test_int8_mar_served_with_parity_within_the_int8_gate(tmp_path, text_params)
 
 
 def test_report_shows_int8_accuracy_beside_its_speed():
-    from pipeline.publish.report import ReportInputs, accuracy_trade_blocks, render_markdown
+    from pipeline.publish.report_inputs import ReportInputs
+    from pipeline.publish.report_render import render_markdown
+    from pipeline.publish.report_sections import accuracy_trade_blocks
     gate = {"embedding": task_gate.embedding_figures(np.eye(41, 8) + 1.0, np.eye(41, 8) + 1.0, 10)}
     bench = lambda sps: {"steady": {"8": {"batch_size": 8, "throughput_sps": sps}}}  # noqa: E731
     inputs = ReportInputs("m", 200.0, ["onnx", "onnx-int8-dynamic"],

@@ -129,7 +129,11 @@ def test_dvc_push_pull_round_trip_through_local_s3(tmp_path, s3_server):
 
     sh([dvc, "push", "-q"], repo, env)
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket="models", Prefix="store/").get("Contents", [])]
-    assert len(keys) >= 5        # 3 files + 2 directory manifests, content-addressed
+    # Content-addressed: the 3 files under their md5, the 2 directory manifests under dvc.lock's "<md5>.dir".
+    manifests = {o["md5"] for o in yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["archive"]["outs"]}
+    contents = {hashlib.md5((repo / "artifacts" / rel).read_bytes()).hexdigest() for rel in built}
+    assert len(manifests) == 2 and all(m.endswith(".dir") for m in manifests) and len(contents) == 3
+    assert sorted(keys) == sorted(f"store/files/md5/{h[:2]}/{h[2:]}" for h in contents | manifests)
     assert json.loads(sh([dvc, "status", "--cloud", "--json"], repo, env) or "{}") == {}
 
     # Wipe the outputs AND the cache: only the remote holds the bytes now.

@@ -6,6 +6,7 @@ import html
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import zipfile
@@ -15,10 +16,40 @@ import pytest
 import yaml
 
 from pipeline.core.params import REPO_ROOT
-from pipeline.publish.report import collect_inputs, summary_metrics
+from pipeline.publish.report import build_blocks
+from pipeline.publish.report_inputs import ReportInputs, collect_inputs
+from pipeline.publish.report_render import render_markdown
+from pipeline.publish.report_summary import served_verdict, summary_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VARIANTS = ["eager", "onnx", "fp16"]
+# matplotlib's default colour cycle: the first and second curve drawn (benchmarks in params order).
+FIRST_CURVE, SECOND_CURVE = "#1f77b4", "#ff7f0e"
+LOAD_PHASE_COLOURS = ("#9e9e9e", "#4e79a7", "#f28e2b", "#59a14f", "#e15759")   # import … first_call
+WINNER_BAR, BASELINE_BAR = "#4e79a7", "#bab0ac"
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of a whole PNG: signature, IHDR first, IEND last."""
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR" and data[-8:-4] == b"IEND"
+    return struct.unpack(">II", data[16:24])
+
+
+def pixels(png: Path, colour: str, tol: float = 0.02):
+    """Mask of the pixels drawn in `colour` (#rrggbb), within `tol` per channel."""
+    import matplotlib.image as mpimg
+    import numpy as np
+    rgb = mpimg.imread(png)[..., :3]
+    want = np.array([int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return np.abs(rgb - want).max(axis=-1) < tol
+
+
+def slo_line_span(png: Path) -> float:
+    """The widest row of red (the dashed SLO line, anti-aliased) as a share of the image's width."""
+    import matplotlib.image as mpimg
+    rgb = mpimg.imread(png)[..., :3]
+    red = (rgb[..., 0] > 0.9) & (rgb[..., 1] < 0.3) & (rgb[..., 2] < 0.3)
+    return red.sum(axis=1).max() / rgb.shape[1]
 
 
 def _bench(variant: str, scale: float, status: str = "ok") -> dict:
@@ -116,21 +147,29 @@ def test_report_stage_renders_md_html_and_summary(tmp_path):
     md = (tmp_path / "reports" / "report.md").read_text()
     page = (tmp_path / "reports" / "report.html").read_text()
 
-    # Every image the markdown references exists, is a PNG and non-empty; all four plots are there.
+    # Every image the markdown references exists, is a whole PNG of its figure's size (figsize × 100 dpi)
+    # and shows what it should; all four plots are there.
     refs = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
     assert sorted(Path(r).name for r in refs) == ["cold_load.png", "latency.png", "serve_check.png", "throughput.png"]
-    for ref in refs:
-        png = (tmp_path / "reports" / ref)
-        assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 2000
+    img = {Path(r).stem: tmp_path / "reports" / r for r in refs}
+    assert {k: png_size(p.read_bytes()) for k, p in img.items()} == {
+        "latency": (700, 420), "throughput": (700, 420),
+        "cold_load": (800, 330),        # 2 variants with a cold load (fp16 was skipped): 0.55 in per bar + 2.2 in
+        "serve_check": (1000, 360)}     # 3 figures side by side: 3 in each + 1 in
+    for curves in ("latency", "throughput"):   # eager and onnx drawn, fp16 (skipped) not; the winner thick
+        eager, onnx = (int(pixels(img[curves], c).sum()) for c in (FIRST_CURVE, SECOND_CURVE))
+        assert onnx > 1.5 * eager > 0 and not pixels(img[curves], "#2ca02c").any(), (curves, eager, onnx)
+    assert slo_line_span(img["latency"]) > 0.5 and slo_line_span(img["throughput"]) == 0
+    assert all(pixels(img["cold_load"], c).sum() > 100 for c in LOAD_PHASE_COLOURS)
+    assert pixels(img["serve_check"], WINNER_BAR).sum() > 1000 and pixels(img["serve_check"], BASELINE_BAR).sum() > 1000
 
     # The HTML opens offline: no external reference at all, every image inlined and decodable.
     assert not re.search(r"""(src|href)\s*=\s*["'](https?:)?//""", page)
     assert "<script" not in page
     srcs = re.findall(r'<img [^>]*src="([^"]+)"', page)
-    assert len(srcs) == 4
-    for src in srcs:
-        assert src.startswith("data:image/png;base64,")
-        assert base64.b64decode(src.split(",", 1)[1])[:8] == PNG_MAGIC
+    assert len(srcs) == 4 and all(src.startswith("data:image/png;base64,") for src in srcs)
+    inlined = [base64.b64decode(src.split(",", 1)[1]) for src in srcs]
+    assert inlined == [img[Path(r).stem].read_bytes() for r in refs]    # the same PNGs, in the same order
 
     # Decision, every variant with its status and reasons, derivation, start command, environment.
     page_text = html.unescape(re.sub(r"<[^>]+>", "", page))
@@ -161,7 +200,11 @@ def test_report_without_serve_check_says_so(tmp_path):
     assert "Serve check not run" in md
     assert "metrics/serve_check.json" in md and "metrics/benchmark/eager.json" in md   # named as missing
     assert not (tmp_path / "reports" / "img" / "serve_check.png").exists()
-    assert (tmp_path / "reports" / "img" / "latency.png").stat().st_size > 0
+    latency = tmp_path / "reports" / "img" / "latency.png"
+    assert png_size(latency.read_bytes()) == (700, 420)
+    # one curve left (onnx, the first drawn now), with the SLO line; eager's is not drawn from nothing
+    assert pixels(latency, FIRST_CURVE).sum() > 500 and not pixels(latency, SECOND_CURVE).any()
+    assert slo_line_span(latency) > 0.5
     summary = json.loads((tmp_path / "metrics" / "summary.json").read_text())
     assert summary["serve_check"] == {"ran": False} and summary["winner"] == "onnx"
 
@@ -199,7 +242,6 @@ def test_summary_falls_back_to_best_batch_without_config(tmp_path):
 
 
 def _served_inputs(winner_p99: float, concurrency: int = 16):
-    from pipeline.publish.report import ReportInputs
     tuning = {"enabled": True, "slo_met": True, "served_p99_ms": 80.0, "served_throughput_rps": 300.0,
               "expected_concurrency": 16}
     refs = {"concurrency": concurrency, "setups": {"winner": {"p99_ms": winner_p99, "within_slo": winner_p99 <= 100}}}
@@ -208,7 +250,6 @@ def _served_inputs(winner_p99: float, concurrency: int = 16):
 
 
 def test_served_slo_verdict_must_hold_in_serve_check_too():
-    from pipeline.publish.report import served_verdict
     ok = served_verdict(_served_inputs(90.0))
     assert ok["slo_met"] is True and ok["serve_check_confirms_slo"] is True and ok["slo_basis"] == "served"
     # the archived winner missed the SLO in serve_check's rounds at the same load: not met
@@ -217,3 +258,16 @@ def test_served_slo_verdict_must_hold_in_serve_check_too():
     # measured at another load: it neither confirms nor overturns the tune stage's verdict
     other = served_verdict(_served_inputs(140.0, concurrency=32))
     assert other["slo_met"] is True and "serve_check_confirms_slo" not in other
+
+
+def test_the_page_words_the_verdict_it_is_given():
+    """The SLO verdict is decided once, in summary_metrics; the page only words it, so the page and
+    summary.json cannot disagree."""
+    inputs = _served_inputs(140.0)          # tuned: met; serve_check at the same load: missed
+    summary = summary_metrics(inputs)
+    assert summary["slo_met"] is False and summary["slo_met_predicted"] is True
+    md = render_markdown(build_blocks(inputs, summary, {}), Path("."))
+    assert "latency SLO 100 ms p99: **NOT met**" in md
+    served = {**summary, "slo_met": True, "slo_basis": "served"}
+    md = render_markdown(build_blocks(inputs, served, {}), Path("."))
+    assert "latency SLO 100 ms p99: met in TorchServe under the expected load" in md

@@ -103,7 +103,10 @@ def test_stage_record_times_the_stage_and_keeps_failures(tmp_path):
 
 
 def test_report_shows_stage_costs_and_start_up(tmp_path):
-    from pipeline.publish.report import build_blocks, collect_inputs, render_markdown, summary_metrics
+    from pipeline.publish.report import build_blocks
+    from pipeline.publish.report_inputs import collect_inputs
+    from pipeline.publish.report_render import render_markdown
+    from pipeline.publish.report_summary import summary_metrics
     from pipeline.core.stage_record import run_timed
 
     run_timed("prepare", lambda: 0, root=tmp_path / "metrics" / "stages")
@@ -121,7 +124,7 @@ def test_report_shows_stage_costs_and_start_up(tmp_path):
         "store_forms": {"chosen": "folder", "folder": {"ready": True, "ready_s": 9.1, "worker_load_ms": 7000},
                         "mar": {"ready": True, "ready_s": 11.0, "worker_load_ms": 7100}}}))
     inputs = collect_inputs(tmp_path, "big", 200.0, ["eager"])
-    md = render_markdown(build_blocks(inputs, {}), tmp_path)
+    md = render_markdown(build_blocks(inputs, summary_metrics(inputs), {}), tmp_path)
     assert "Pipeline cost per stage" in md and "| prepare |" in md
     assert "READY from the folder (served)" in md and "READY from the mar" in md
     assert "startupTimeout on a 200 MB/s disk | 57 s" in md
@@ -132,7 +135,7 @@ def test_report_shows_stage_costs_and_start_up(tmp_path):
 
 
 def test_load_against_the_read_from_page_cache_and_from_disk():
-    from pipeline.publish.report import load_vs_read
+    from pipeline.publish.report_serving import load_vs_read
     cold = {"phases_ms": {"import": {"median": 100.0}, "read": {"median": 0.3}, "deserialize": {"median": 241.7},
                           "to_device": {"median": 0.0}}, "raw_read_ms": 110.0, "load_floor_ratio": 2.2}
     assert load_vs_read(cold) == "page cache: 242 ms vs 110 ms (2.2×)"

@@ -1,0 +1,209 @@
+"""The report's sections about the served model: the operating point the tune stage chose in
+TorchServe (against the hand-tuned reference and the naive baseline), and how the model starts
+(store form, startupTimeout against the measured load, READY against the server's floor) and what
+memory a worker takes.
+
+Each function returns blocks of the page (pipeline/publish/report_render.py) from the report's
+inputs; the SLO verdict itself is decided in pipeline/publish/report_summary.py.
+"""
+from __future__ import annotations
+
+from pipeline.measure.stats import LOAD_AFTER_IMPORTS
+from pipeline.publish.report_inputs import ReportInputs, as_number, model_bytes, winner
+from pipeline.publish.report_render import Block, Heading, Para, Table, fmt, fmt_bytes
+
+# --------------------------------------------------------------------------- served operating point
+CANDIDATE_HEADER = ["candidate", "batch / delay / workers×threads", "predicted req/s", "served req/s",
+                    "predicted p99 (ms)", "served p99 (ms)", "noise (2 s.e. of the mean)",
+                    "batches formed {size: count}", "served p99 ≤ SLO"]
+
+
+def _candidate_rows(cands: list[dict]) -> list[list]:
+    out = []
+    for c in cands:
+        p = c.get("predicted") or {}
+        st = c.get("settings") or {}
+        out.append([c.get("name"), f"{st.get('batch_size')} / {st.get('max_batch_delay_ms')} ms / "
+                    f"{st.get('workers')}×{st.get('threads_per_worker')}",
+                    p.get("throughput_rps"), c.get("throughput_rps"), p.get("request_p99_ms"), c.get("p99_ms"),
+                    c.get("throughput_spread"), c.get("batches_formed"), c.get("meets_slo")])
+    return out
+
+
+def _decided(record: dict) -> list[Block]:
+    """A tuning round's candidates and the steps of its decision."""
+    return [Table(CANDIDATE_HEADER, _candidate_rows(record.get("candidates") or [])),
+            Para("Why: " + " → ".join(record.get("decision_steps") or []))]
+
+
+def tuning_blocks(inputs: ReportInputs) -> list[Block]:
+    """The candidates served by the tune stage: predicted vs served, batches formed, and why the
+    served one won; then the winner against the hand-tuned reference and the baseline."""
+    t = inputs.tuning
+    if not t:
+        return [Heading("Served operating point"),
+                Para("`artifacts/serve/tuning.json` is missing (run `dvc repro tune`): the SLO verdict above is "
+                     "the offline prediction.")]
+    b: list[Block] = [Heading("Served operating point (tuned in TorchServe)")]
+    if not t.get("enabled", True):
+        return b + [Para("Tuning is off (`tune.enabled: false`): the offline choice is served untested.")]
+    b.append(Para(f"**{t.get('message')}**"))
+    b.append(Para(f"{len(t.get('candidates') or [])} candidates from the offline curve, each served "
+                  f"{(t.get('settings') or {}).get('rounds')} times in interleaved rounds with "
+                  f"{t.get('expected_concurrency')} requests in flight; tuning took {fmt(t.get('duration_s'))} s "
+                  f"({t.get('server_starts')} server starts, {t.get('registrations', 0)} re-registrations)."))
+    contest = t.get("variant_contest")
+    if contest:
+        b += _contest_blocks(contest)
+        b.append(Heading(f"Operating point of {t.get('variant')}", 3))
+    b += _decided(t)
+    fe = t.get("frontend")
+    if fe:
+        b.append(Heading("Frontend settings", 3))
+        b += _decided(fe)
+    elif t.get("frontend_skipped"):
+        b.append(Para("Frontend settings: " + t["frontend_skipped"] + "."))
+    return b + references_blocks(inputs)
+
+
+def _contest_blocks(contest: dict) -> list[Block]:
+    """Variants selection could not tell apart, each served at its own offline point."""
+    return [Heading("Variant contest", 3),
+            Para(f"Selection could not tell {', '.join(contest.get('contenders') or [])} apart beyond the "
+                 f"benchmark's noise, so each was served at its own offline point, in interleaved rounds. "
+                 f"Served: **{contest.get('chosen')}**"
+                 + (" (it replaced selection's winner)." if contest.get("replaced_selection") else ".")),
+            *_decided(contest)]
+
+
+def references_blocks(inputs: ReportInputs) -> list[Block]:
+    """serve_check's interleaved rounds: the winner, the hand-tuned reference and the naive baseline."""
+    refs = (inputs.serve_check or {}).get("references") or {}
+    setups = refs.get("setups") or {}
+    if not setups:
+        return []
+    handtuned = refs.get("handtuned_setup") or {}
+    b: list[Block] = [
+        Heading("Against the hand-tuned reference and the naive baseline (serve check)", 3),
+        Para(f"Medians of up to {refs.get('rounds')} interleaved rounds, same host, same load (a reference is "
+             f"served again only while a comparison with it is within {fmt(100 * (refs.get('decided_band') or 0))}% "
+             f"of parity). Hand-tuned: {handtuned.get('what') or handtuned.get('reason')}."),
+        Table(["setup", "READY (s)", "req/s", "p50 (ms)", "p99 (ms)", "p99 ≤ SLO", "rounds (req/s)"],
+              [[n, s_.get("ready_s"), s_.get("throughput_rps"), s_.get("p50_ms"), s_.get("p99_ms"),
+                s_.get("within_slo"), [r.get("throughput_rps") and round(r["throughput_rps"], 1)
+                                       for r in s_.get("rounds") or []]]
+               for n, s_ in setups.items()])]
+    if refs.get("ratios_handtuned"):
+        b.append(Para(f"Winner / hand-tuned: {refs['ratios_handtuned']}."))
+    return b
+
+
+# --------------------------------------------------------------------------- start-up and memory
+def load_vs_read(cold: dict) -> str:
+    """A variant's load after imports against the raw read of its bytes, from the page cache and
+    (when measured) from the disk."""
+    ph = cold.get("phases_ms") or {}
+    load = sum(as_number((ph.get(p) or {}).get("median")) or 0.0 for p in LOAD_AFTER_IMPORTS)
+    text = (f"page cache: {fmt(load)} ms vs {fmt(cold.get('raw_read_ms'))} ms "
+            f"({fmt(cold.get('load_floor_ratio'))}×)")
+    disk = cold.get("from_disk") or {}
+    if disk.get("measured"):
+        text += (f"; from disk: {fmt(disk.get('load_ms'))} ms vs {fmt(disk.get('raw_read_ms'))} ms "
+                 f"({fmt(disk.get('load_floor_ratio'))}×)")
+    elif disk.get("reason"):
+        text += f"; from disk: not measured ({disk['reason']})"
+    return text
+
+
+def startup_blocks(inputs: ReportInputs) -> list[Block]:
+    """Start-up of the served model: store form (with READY of both forms), startupTimeout against
+    the measured load and a 200 MB/s disk, and memory per worker against the artifact."""
+    d = inputs.derivation or {}
+    sc = inputs.serve_check or {}
+    st, form = d.get("startup_timeout_s"), d.get("store_form")
+    if not isinstance(st, dict) and not sc:
+        return []
+    rows = (_store_form_rows(form, sc) + _startup_timeout_rows(st, sc) + _load_rows(inputs, sc)
+            + _memory_rows(inputs, d, st, sc))
+    return [Heading("Start-up and memory of the served model"), Table(["", ""], rows)]
+
+
+def _store_form_rows(form, sc: dict) -> list[list]:
+    """The store form configure chose, and READY from each form the serve check started."""
+    rows = []
+    if isinstance(form, dict):
+        fi = form.get("inputs") or {}
+        rows.append(["store form", f"{form.get('value')} (artifact {fmt(fi.get('artifact_mb'))} MB, folder from "
+                                   f"{fmt(fi.get('folder_store_min_mb'))} MB; unpack avoided ≈ "
+                                   f"{fmt(fi.get('unpack_estimate_s'))} s per start)"])
+    forms = sc.get("store_forms") or {}
+    for f in ("mar", "folder"):
+        if isinstance(forms.get(f), dict):
+            r = forms[f]
+            rows.append([f"READY from the {f}" + (" (served)" if forms.get("chosen") == f else ""),
+                         f"{fmt(r.get('ready_s'))} s (WorkerLoadTime {fmt(r.get('worker_load_ms'))} ms)"
+                         if r.get("ready") else f"not READY: {str(r.get('error'))[:200]}"])
+    return rows
+
+
+def _startup_timeout_rows(st, sc: dict) -> list[list]:
+    """The derived startupTimeout, what it would be on a reference disk, and READY against it."""
+    rows = []
+    if isinstance(st, dict):
+        si = st.get("inputs") or {}
+        ref = si.get("at_reference_disk") or {}
+        disk_ms = si.get("cold_load_from_disk_ms")
+        rows += [["startupTimeout (derived)", f"{fmt(st.get('value'))} s from a worst cold load of "
+                  f"{fmt(si.get('worst_cold_load_ms', si.get('cold_load_max_ms')))} ms (page cache: max "
+                  f"{fmt(si.get('cold_load_max_ms'))}, median {fmt(si.get('cold_load_median_ms'))} ms"
+                  + (f"; from disk: {fmt(disk_ms)} ms" if disk_ms is not None else "")
+                  + f"), read measured at {fmt(si.get('measured_read_mb_s'))} MB/s"],
+                 [f"startupTimeout on a {fmt(ref.get('read_mb_s'))} MB/s disk",
+                  f"{fmt(ref.get('startup_timeout_s'))} s (+{fmt(ref.get('disk_read_s'))} s to read the artifact)"]]
+        if si.get("target_disk_read_mb_s"):
+            rows.append(["serve.target_disk_read_mb_s", f"{fmt(si['target_disk_read_mb_s'])} MB/s "
+                         f"(+{fmt(si.get('disk_read_s'))} s, included above)"])
+    if sc.get("ready_s") is not None and isinstance(st, dict):
+        rows.append(["READY in TorchServe vs startupTimeout", f"{fmt(sc['ready_s'])} s of {fmt(st.get('value'))} s"])
+    return rows
+
+
+def _load_rows(inputs: ReportInputs, sc: dict) -> list[list]:
+    """READY against the server's floor, the load against the raw read, the handler's share, a miss."""
+    rows = []
+    vf = sc.get("ready_vs_floor") or {}
+    if vf.get("ratio") is not None:
+        rows.append(["READY vs server floor + raw read", f"{fmt(vf['ratio'])}× ({fmt(vf['ready_s'])} s against a "
+                     f"do-nothing model's {fmt(vf['floor_ready_s'])} s with as many workers "
+                     f"({vf.get('floor_workers') or 1}) + {fmt(vf['raw_read_s'])} s raw read)"])
+    served = inputs.benchmarks.get(winner(inputs) or "") or {}
+    if served.get("cold_load"):
+        rows.append(["load after imports vs raw read of the served artifact", load_vs_read(served["cold_load"])])
+    hl = sc.get("handler_load_ms") or {}
+    if hl.get("total") is not None:
+        floor_ms = ((sc.get("server_floor") or {}).get("worker_load_ms"))
+        rows.append(["worker load (WorkerLoadTime) and the handler's part", f"{fmt(sc.get('worker_load_ms'))} ms"
+                     + (f" (a do-nothing model's: {fmt(floor_ms)} ms)" if floor_ms else "") + "; handler "
+                     + ", ".join(f"{k} {fmt(v)}" for k, v in hl.items()) + " ms"])
+    diag = sc.get("startup_diagnosis") or {}
+    if diag.get("message"):
+        rows.append(["startupTimeout MISSED", diag["message"]])
+    return rows
+
+
+def _memory_rows(inputs: ReportInputs, d: dict, st, sc: dict) -> list[list]:
+    """Peak RSS per worker (benchmark and TorchServe) against the artifact and the model's size."""
+    rows = []
+    workers = d.get("workers") if isinstance(d.get("workers"), dict) else {}
+    rss_bench = (workers.get("inputs") or {}).get("peak_rss_mb")
+    size = model_bytes(inputs)
+    art = (st or {}).get("inputs", {}).get("artifact_bytes") if isinstance(st, dict) else None
+    if rss_bench is not None:
+        rows.append(["peak RSS per worker (benchmark → workers)",
+                     f"{fmt(rss_bench)} MB; workers = {fmt(workers.get('value'))} ({workers.get('formula', '')})"])
+    if sc.get("worker_peak_rss_mb") is not None:
+        ratio = f", {sc['worker_peak_rss_mb'] * 2**20 / art:.2f}× the served artifact" if art else ""
+        rows.append(["peak RSS per worker in TorchServe", f"{fmt(sc['worker_peak_rss_mb'])} MB{ratio}"])
+    if size:
+        rows.append(["model size (eager weights)", fmt_bytes(size)])
+    return rows
