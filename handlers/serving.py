@@ -12,8 +12,10 @@ initialize (once per worker):
 
 handle (per batch): each request is decoded on its own; a bad one gets its own 4xx JSON error via
 `context.set_response_status(code, phrase, idx)` while the valid ones are collated into ONE batch and
-answered normally. Exactly one response per request, in order. Half-precision variants still take
-and return float32 JSON: the runtime casts. No state is written between requests.
+answered normally. Exactly one response per request, in order, as JSON bytes built here
+(handlers/encode.py), so TorchServe does not re-encode them. Half-precision variants still take and
+return float32 JSON: the runtime casts. Where a request's time goes (decode, collate, model,
+respond) is summed per phase and logged now and then (handlers/profile.py).
 
 This module never imports torch: the ONNX handler must not pay for it.
 """
@@ -28,6 +30,8 @@ import weakref
 from abc import ABC, abstractmethod
 from typing import Any
 
+from handlers.encode import json_bytes
+from handlers.profile import RequestProfile
 from handlers.runtime import RuntimeLoadError, load_runtime
 from handlers.runtime import read_variant as runtime_read_variant
 from handlers.tasks import RequestError, make_adapter
@@ -179,6 +183,7 @@ class ServingHandler(ABC):
         self.device = "cpu"
         self.load_breakdown_ms: dict = {}
         self._finalizer = None
+        self.profile = RequestProfile()
 
     # ------------------------------------------------------------------ initialize
     def initialize(self, context: Any) -> None:
@@ -245,6 +250,7 @@ class ServingHandler(ABC):
     def handle(self, data: list | None, context: Any) -> list | None:
         if data is None:
             return None
+        t_start = time.perf_counter()
         responses: list = [None] * len(data)
         samples: list = []
         positions: list[int] = []
@@ -260,12 +266,14 @@ class ServingHandler(ABC):
             except Exception as e:  # an adapter bug must not take the batch-mates down
                 log.exception("decoding request %d failed", idx)
                 responses[idx] = self._fail(context, idx, 500, f"internal error decoding the request: {type(e).__name__}")
+        self.profile.add(decode=time.perf_counter() - t_start)
         if samples:
             for pos, answer in zip(positions, self._infer(samples)):
                 if isinstance(answer, _Failure):
                     responses[pos] = self._fail(context, pos, answer.status, answer.message)
                 else:
                     responses[pos] = answer
+        self.profile.batch(len(data), time.perf_counter() - t_start)
         return responses
 
     def decode_one(self, request: Any, context: Any, idx: int) -> dict:
@@ -288,13 +296,19 @@ class ServingHandler(ABC):
         return [self._infer([s])[0] for s in samples]
 
     def _run(self, samples: list) -> list:
-        outputs = self.runtime.run(self.adapter.collate(samples))
-        return [self.adapter.respond(outputs, j) for j in range(len(samples))]
+        t0 = time.perf_counter()
+        feeds = self.adapter.collate(samples)
+        t1 = time.perf_counter()
+        outputs = self.runtime.run(feeds)
+        t2 = time.perf_counter()
+        answers = [self.adapter.respond_bytes(outputs, j, samples[j]) for j in range(len(samples))]
+        self.profile.add(collate=t1 - t0, model=t2 - t1, respond=time.perf_counter() - t2)
+        return answers
 
     @staticmethod
-    def _fail(context: Any, idx: int, status: int, message: str) -> dict:
+    def _fail(context: Any, idx: int, status: int, message: str) -> bytes:
         _set_status(context, idx, status)
-        return error_body(status, message)
+        return json_bytes(error_body(status, message))
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -16,6 +16,7 @@ text/* as str, anything else as bytes/bytearray: all are accepted.
 """
 from __future__ import annotations
 
+import base64
 import io
 import json
 import random
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from handlers.encode import json_bytes
 
 JSON_TYPES = ("application/json",)
 
@@ -120,6 +123,10 @@ class TaskAdapter(ABC):
     def respond(self, outputs: list[np.ndarray], i: int) -> Any:
         """Sample `i`'s JSON-able response from the batch outputs."""
 
+    def respond_bytes(self, outputs: list[np.ndarray], i: int, sample: dict | None = None) -> bytes:
+        """The same response as JSON bytes, what the serving handler returns (handlers/encode.py)."""
+        return json_bytes(self.respond(outputs, i))
+
     @abstractmethod
     def example_feeds(self, batch_size: int, seq_len: int | None = None) -> dict[str, np.ndarray]:
         """Deterministic synthetic feeds (warm-up, benchmarks)."""
@@ -158,10 +165,15 @@ class TextEmbeddingAdapter(TaskAdapter):
         return ('send text as text/plain, or JSON {"text": "..."} with Content-Type application/json')
 
     def _decode(self, body, media):
+        encoding = "float"
         if media in JSON_TYPES or isinstance(body, (dict, list)):
             doc = _parse_json(body)
             if isinstance(doc, dict):
                 text = doc.get("text", doc.get("inputs"))
+                encoding = doc.get("encoding_format", "float")
+                if encoding not in ("float", "base64"):
+                    raise RequestError(400, f'"encoding_format" is {encoding!r}: use "float" (JSON numbers, '
+                                            f'the default) or "base64" (little-endian float32, base64)')
             else:
                 text = doc if isinstance(doc, str) else None
             if not isinstance(text, str):
@@ -174,8 +186,11 @@ class TextEmbeddingAdapter(TaskAdapter):
         if not text.strip():
             raise RequestError(400, f"text is empty; {self.usage()}")
         enc = self.tokenizer.encode(text)
-        return {"input_ids": np.asarray(enc.ids, dtype=np.int64),
-                "attention_mask": np.asarray(enc.attention_mask, dtype=np.int64)}
+        sample = {"input_ids": np.asarray(enc.ids, dtype=np.int64),
+                  "attention_mask": np.asarray(enc.attention_mask, dtype=np.int64)}
+        if encoding != "float":
+            sample["encoding_format"] = encoding
+        return sample
 
     def collate(self, samples):
         if not samples:
@@ -189,8 +204,19 @@ class TextEmbeddingAdapter(TaskAdapter):
             mask[row, :n] = s["attention_mask"]
         return {"input_ids": ids, "attention_mask": mask}
 
+    def vector(self, outputs, i) -> np.ndarray:
+        return np.ascontiguousarray(outputs[0][i], dtype=np.float32)
+
     def respond(self, outputs, i):
-        return {"embedding": np.asarray(outputs[0][i], dtype=np.float32).tolist()}
+        return {"embedding": self.vector(outputs, i).tolist()}
+
+    def respond_bytes(self, outputs, i, sample=None):
+        vector = self.vector(outputs, i)
+        if sample is not None and sample.get("encoding_format") == "base64":
+            # OpenAI's compact form: the float32 values, little-endian, base64-encoded.
+            return json_bytes({"embedding": base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii"),
+                               "encoding_format": "base64"})
+        return json_bytes({"embedding": vector})
 
     def example_feeds(self, batch_size, seq_len=None):
         # 16 tokens by default: a short sentence, enough to warm up (JIT, allocator) without
@@ -349,6 +375,10 @@ class TensorAdapter(TaskAdapter):
         if len(outputs) == 1:
             return np.asarray(outputs[0][i], dtype=np.float32).tolist()
         return {"outputs": [np.asarray(o[i], dtype=np.float32).tolist() for o in outputs]}
+
+    def respond_bytes(self, outputs, i, sample=None):
+        rows = [np.ascontiguousarray(o[i], dtype=np.float32) for o in outputs]
+        return json_bytes(rows[0] if len(rows) == 1 else {"outputs": rows})
 
     def example_feeds(self, batch_size, seq_len=None):
         rng = np.random.default_rng(2024 + batch_size)

@@ -91,6 +91,7 @@ def _record_load(ts: TorchServe, spec: ServerSpec, load: LoadResult, out: dict) 
     out["worker_peak_rss_mb"] = max((v for v in rss.values() if v is not None), default=None)
     # Read last: the frontend copies the worker's log lines asynchronously.
     out["handler_load_ms"] = ts.log.handler_load_ms()     # inside WorkerLoadTime: the handler's own phases
+    out["handler_profile"] = ts.log.handler_profile()     # per request under the load: decode, collate, model, respond
     log.info("%s handler load phases (slowest worker): %s", spec.name, out["handler_load_ms"])
     log.info("%s load: %d/%d ok, %d 5xx, %d lost, p50 %.1f ms, p99 %.1f ms, %.1f req/s, batches %s",
              spec.name, load.requests_ok, load.requests_sent, load.errors_5xx, load.lost,
@@ -167,7 +168,8 @@ def _flat(r: dict) -> dict:
     bad = r.get("bad_inputs") or {}
     return {
         "ready": r.get("ready", False), "ready_s": r.get("ready_s"), "worker_load_ms": r.get("worker_load_ms"),
-        "handler_load_ms": r.get("handler_load_ms"), "first_request_ms": r.get("first_request_ms"),
+        "handler_load_ms": r.get("handler_load_ms"), "handler_profile": r.get("handler_profile"),
+        "first_request_ms": r.get("first_request_ms"),
         "parity_ok": parity.get("ok", False) if "parity" in r or not r.get("ready") else None,
         "max_abs_error": parity.get("max_abs_error"),
         "requests_sent": load.get("requests_sent", 0), "requests_answered": load.get("requests_answered", 0),

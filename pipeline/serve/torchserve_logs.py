@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 _PHASE = re.compile(r"([A-Za-z_][\w]*)=([0-9.]+)ms")
+_FIGURE = re.compile(r"([A-Za-z_][\w]*)=([0-9.]+)")
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -93,6 +94,25 @@ class ServerLogs:
                  for line in text.splitlines() if "[load] variant=" in line]
         loads = [d for d in loads if "total" in d]
         return max(loads, key=lambda d: d["total"]) if loads else None
+
+    def handler_profile(self) -> Optional[dict]:
+        """Where a request's time went inside the workers (handlers/profile.py): every `[profile]`
+        line in model_log.log pooled, each phase in microseconds per request weighted by the
+        requests of its line; None before any line."""
+        try:
+            text = (self.logs / "model_log.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return None
+        rows = [dict((k, float(v)) for k, v in _FIGURE.findall(line.split("[profile]", 1)[1]))
+                for line in text.splitlines() if "[profile] requests=" in line]
+        rows = [r for r in rows if r.get("requests")]
+        if not rows:
+            return None
+        total = sum(r["requests"] for r in rows)
+        out = {"requests": int(total), "batches": int(sum(r.get("batches", 0) for r in rows)), "lines": len(rows)}
+        for key in sorted({k for r in rows for k in r if k.endswith("_us")}):
+            out[key] = round(sum(r.get(key, 0.0) * r["requests"] for r in rows) / total, 1)
+        return out
 
     def batches(self) -> list[frozenset]:
         """Every batch the Python backend ran, as the set of TorchServe request ids in it: one

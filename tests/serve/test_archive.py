@@ -113,6 +113,7 @@ LOAD_AND_PREDICT = textwrap.dedent("""
     service.context.request_processor, service.context.request_ids = headers, ids
     metrics.request_ids = ids
     out = service._entry_point(inputs, service.context)
+    out = [json.loads(o) if isinstance(o, (bytes, bytearray)) else o for o in out]   # as the client reads them
     status = [service.context.get_response_status(i)[0] for i in range(len(out))]
     print("RESULT" + json.dumps({"status": status, "out": out,
                                  "pipeline_imported": any(m == "pipeline" or m.startswith("pipeline.") for m in sys.modules)}))
@@ -157,8 +158,9 @@ def test_archive_reproducible_and_provenance(tmp_path, tensor_build):
 
     contents = archive_contents(first.path)
     expected_names = {"variant.json", "model.pt", "torch_handler.py", "model-config.yaml", "provenance.json",
-                      "handlers/__init__.py", "handlers/serving.py", "handlers/tasks.py", "handlers/runtime.py",
-                      "handlers/runtime_torch.py", "handlers/runtime_onnx.py", "MAR-INF/MANIFEST.json"}
+                      "handlers/__init__.py", "handlers/serving.py", "handlers/tasks.py", "handlers/encode.py",
+                      "handlers/profile.py", "handlers/runtime.py", "handlers/runtime_torch.py",
+                      "handlers/runtime_onnx.py", "MAR-INF/MANIFEST.json"}
     assert set(contents) == expected_names
     prov = json.loads(contents["provenance.json"])
     # sha256 of every other file in the archive, checked against the bytes actually packed.
@@ -194,7 +196,8 @@ def test_archive_loads_in_torchserve_loader_and_matches_baseline(tmp_path, tenso
     props = (tmp_path / "baseline" / "config.properties").read_text()
     assert "load_models=signalnet=signalnet.mar" in props and f"model_store={(tmp_path / 'baseline').as_posix()}" in props
     names = set(archive_contents(base.path))
-    assert {"baseline_handler.py", "baseline.json", "weights.safetensors", "model.py", "handlers/tasks.py"} <= names
+    assert {"baseline_handler.py", "baseline.json", "weights.safetensors", "model.py", "handlers/tasks.py",
+            "handlers/encode.py"} <= names
     assert "model-config.yaml" not in names
     got_base = load_and_predict(unpack(base.path, tmp_path / "base"), requests)
     assert got_base["status"] == [200, 400, 400]
