@@ -155,8 +155,10 @@ class TextEmbeddingAdapter(TaskAdapter):
             raise FileNotFoundError(f"{path}: tokenizer.json missing from the model folder")
         self.tokenizer = Tokenizer.from_file(str(path))
         self.max_length = int(self.task.get("max_length", 128))
+        self.normalize = bool(self.task.get("normalize", False))
         padding = self.tokenizer.padding or {}
-        self.pad_id = int(padding.get("pad_id", self.tokenizer.token_to_id("[PAD]") or 0))
+        pad_token = next((t for t in ("[PAD]", "<pad>") if self.tokenizer.token_to_id(t) is not None), None)
+        self.pad_id = int(padding.get("pad_id", self.tokenizer.token_to_id(pad_token) if pad_token else 0))
         # tokenizer.json may ship fixed padding (MiniLM: 128); pad per batch in collate instead.
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(self.max_length)
@@ -205,7 +207,14 @@ class TextEmbeddingAdapter(TaskAdapter):
         return {"input_ids": ids, "attention_mask": mask}
 
     def vector(self, outputs, i) -> np.ndarray:
-        return np.ascontiguousarray(outputs[0][i], dtype=np.float32)
+        vector = np.ascontiguousarray(outputs[0][i], dtype=np.float32)
+        if self.normalize:
+            # The model ends with Normalize: a variant that ran it in half precision (ONNX fp16
+            # converts the whole graph) is brought back to a unit vector in fp32.
+            norm = float(np.linalg.norm(vector))
+            if norm > 0.0:
+                vector = vector / np.float32(norm)
+        return vector
 
     def respond(self, outputs, i):
         return {"embedding": self.vector(outputs, i).tolist()}

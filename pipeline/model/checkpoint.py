@@ -179,14 +179,16 @@ class TextEmbeddingModel(nn.Module):
                                token_type_ids=torch.zeros_like(input_ids))
         else:
             out = self.encoder(input_ids=input_ids, attention_mask=attention_mask)
-        hidden = out.last_hidden_state
+        # Pooling and normalisation in fp32 whatever the encoder's dtype: a half-precision mean over
+        # the tokens and its L2 norm drift by ~1e-3, and clients take these vectors as unit vectors.
+        hidden = out.last_hidden_state.float()
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         if self.pooling == "cls":
             pooled = hidden[:, 0]
         elif self.pooling == "max":
             pooled = hidden.masked_fill(mask == 0, -1e4).amax(dim=1)
         else:
-            # Counts are whole numbers >= 1 for any real input; clamp(1) also survives fp16.
+            # Counts are whole numbers >= 1 for any real input.
             counts = mask.sum(dim=1).clamp(min=1.0)
             summed = (hidden * mask).sum(dim=1)
             pooled = summed / counts if self.pooling == "mean" else summed / counts.sqrt()
