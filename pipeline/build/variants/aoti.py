@@ -7,8 +7,7 @@ build time, and its weights beside it in one file (`aoti.so.weights`, each tenso
 indexed by `aoti.so.weights.json`) that the runtime memory-maps and hands to the library as
 user-managed constants. Why both:
 - `aoti_load_package` extracts the whole package to a temporary folder at every load, checksumming
-  it on the way: bert-large's 1.34 GB took 6.4 s a load on a quiet host and 22 s in the benchmark's
-  fresh processes, against 1.2–3.8 s to open the library where it lies.
+  it on the way: for a GB-sized model several times what opening the library where it lies takes.
 - weights compiled into the library are copied out of it into a heap blob at every load (the AOTI
   runtime's load_constants), so each worker held them twice, and the build held a third copy (the
   blob serialised for the library). Mapped from their own file they are the page cache's pages,
@@ -56,7 +55,7 @@ class AotiConverter(Converter):
         module = module_copy(ctx.module(), ctx.device)
         program = torch.export.export(module, ctx.example_inputs(None, ctx.device), dynamic_shapes=ctx.dynamic_shapes())
         # The module would outlive the compile beside the mapped weights the screen and verification
-        # load (bert-large's build peaked at 4.4 GB with it).
+        # load: one more copy of the weights at the build's peak.
         del module
         ctx.loaded.release_module()
         path = ctx.out_dir / "aoti.pt2"

@@ -148,8 +148,8 @@ def module_copy(module, device: str = "cpu", dtype=None):
     trace, export, freeze or restructure without touching the loaded model — without a second
     copy of its weights: a tensor already on that device and dtype is shared, not duplicated, and
     a converted one is made directly from the original (never an fp32 copy first). Tracing,
-    torch.export and quantize_dynamic read weights, they do not write them. On a 1.3 GB model
-    `copy.deepcopy(m).to(...)` held one more full copy at every conversion."""
+    torch.export and quantize_dynamic read weights, they do not write them; `copy.deepcopy(m).to(...)`
+    would hold one more full copy at every conversion."""
     import copy
 
     import torch
@@ -170,8 +170,8 @@ def module_copy(module, device: str = "cpu", dtype=None):
 def forget_jit_types() -> None:
     """Drop the TorchScript types this process compiled (call once the module is saved). The global
     class registry keeps every traced or scripted module's type, and through it its constants, for
-    the life of the process: bert-large's frozen and optimised weights (1.3 GB) stayed resident
-    through the screen and verification, which load the saved artifact on top (4.2 GB peak). Saved
+    the life of the process: a frozen model's optimised weights would stay resident through the
+    screen and verification, which load the saved artifact on top. Saved
     and loaded modules keep their own types; the next trace registers new ones. All three caches go
     together, as torch's own test helper (`clear_class_registry`) does: clearing the registry alone
     left the module-type cache pointing into it, and the next `torch.jit.script` crashed."""
@@ -195,7 +195,7 @@ def forget_last_export() -> None:
     - onnxscript's rewrite-rule matchers, the graph and node they last looked at (`_graph`,
       `_current_node`, the match state, set at the start of each match), through them the exported
       model wrapping the module's weights.
-    bert-large's aoti and ONNX builds held the weights through them after releasing the module: a
+    Through them the aoti and ONNX builds would hold the weights after releasing the module: a
     full copy beside the artifact the screen and verification load."""
     try:
         from torch.fx.experimental import proxy_tensor

@@ -1,12 +1,11 @@
 """The torch → ONNX export, done once per model and shared by the ONNX variants built from it.
 
 `onnx`, `onnx-fp16`, `onnx-int8-dynamic` and `onnx-int8-static` are four DVC stages, four processes,
-and each began with the same fp32 export: bert-large spent 20 s in the dynamo exporter four times
-(a quarter of the ONNX conversions' time). The first build keeps its exported files here; the next
-ones copy them (~2 s for 2.5 GB) instead of exporting again.
+and each began with the same fp32 export, for a big model a large share of their time. The first
+build keeps its exported files here; the next ones copy them, far faster than exporting again.
 
 The key is what the export is a function of, read from the module itself, so a stale entry cannot
-be hit: every state_dict tensor's name, dtype, shape and bytes (sha256, ~0.8 s a GB), the module
+be hit: every state_dict tensor's name, dtype, shape and bytes (sha256), the module
 tree (repr) and the configs of Hugging Face sub-modules, the source files of every module class in
 it, the input/output names, dtypes, example shapes and dynamic axes, the exporter and its options,
 this package's export code, and the torch / onnx / onnxscript / transformers versions.

@@ -6,13 +6,11 @@ attention is ~25 nodes (Reshape/Transpose per head split, MatMul, scale, mask Ad
 Transpose/Reshape back). onnxscript, the dynamo exporter's own library, carries rewrite rules for the
 dynamo graph's forms; this module applies the ones that end in ORT's MultiHeadAttention contrib op:
 erf-Gelu → Gelu, scaled-dot-product attention → SDPA → MultiHeadAttention with the Q/K/V biases.
-Measured on a bert-large-shaped model, int8 dynamic, pre-packed, this host: 953 → 303 nodes, session
-creation 190 → 147 ms (graph setup 68 → 30 ms), batch-4 call 572 → 540 ms; outputs equal within 1e-7
-in fp32.
+A graph with a third of the nodes: less for ORT to set up when a session is created, and one fused
+kernel per layer's attention instead of its chain of small ops.
 
 The Q/K/V projections stay three MatMuls (ORT's packed-QKV `Attention` op is not formed): int8
-smoothing and quantization then see exactly the MatMuls they see without fusion, and the packed form
-measured no faster here.
+smoothing and quantization then see exactly the MatMuls they see without fusion.
 
 Every rewrite is checked, not trusted: the fused graph must give the unfused graph's outputs on golden
 batches (the largest and the smallest, so a batch dimension fixed by a rule shows) within

@@ -5,15 +5,15 @@ one quantize_dynamic / calibration call of pipeline/build/variants/onnx_int8.py 
 
 - `one_model_copy()`: in dynamic mode the quantizer refreshes its shape information by deep-copying
   the model, saving the copy and loading it again (`save_and_reload_model_with_shape_infer`), while
-  the model it loaded first is still referenced: three copies of the weights at once. bert-large's
-  onnx-int8-dynamic build peaked at 4.4 GB there, for a 1.34 GB fp32 graph. The replacement runs the
-  same ONNX shape inference over a skeleton of the graph (weights reduced to their types and shapes)
-  and gives the model back with the inferred value_info and ORT's "shapes inferred" mark.
+  the model it loaded first is still referenced: three copies of the weights at once. The
+  replacement runs the same ONNX shape inference over a skeleton of the graph (weights reduced to
+  their types and shapes) and gives the model back with the inferred value_info and ORT's "shapes
+  inferred" mark.
 - `calibrate_to_cache()`: quantize_static calibrates with the model it loaded still held, a second
-  copy loaded by the calibrator, and a session over it that pre-packs the weights again (bert-large's
-  onnx-int8-static build peaked at 4.8 GB). Calibrating first, over the graph alone (the session
-  reads the weights from their data file and does not pre-pack them), and handing quantize_static
-  the ranges through its calibration cache leaves one copy at a time.
+  copy loaded by the calibrator, and a session over it that pre-packs the weights again.
+  Calibrating first, over the graph alone (the session reads the weights from their data file and
+  does not pre-pack them), and handing quantize_static the ranges through its calibration cache
+  leaves one copy at a time.
 - `PerChannelWeightCache`: memoizes the per-channel weight quantization across the sensitivity
   attempts of one build, which re-quantize the same weights with a different set kept fp32.
 """
@@ -129,10 +129,9 @@ def calibrate_to_cache(src, reader, op_types: list, method, cache_path) -> None:
 
 
 class PerChannelWeightCache:
-    """Memoizes ONNX Runtime's per-channel weight quantization (ORT 1.31 loops over the channels in
-    Python: bert-large's 140 MatMul weights are 217 088 calls, 20 of a 27 s quantize_dynamic) for
-    the sensitivity attempts of one build, which re-quantize the same weights with a different set
-    kept fp32. A hit adds the same scale / zero-point / int8 initializers ORT would have."""
+    """Memoizes ONNX Runtime's per-channel weight quantization (ORT 1.31 quantizes each channel in
+    its own Python call: most of a big model's quantize_dynamic) for the sensitivity attempts of
+    one build, which re-quantize the same weights with a different set kept fp32. A hit adds the same scale / zero-point / int8 initializers ORT would have."""
 
     def __init__(self):
         self._store: dict[tuple, tuple[tuple, list]] = {}

@@ -2,9 +2,8 @@
 packing them at every load.
 
 On CPU, ORT re-lays each MatMul/Gemm weight out for its kernels when a session is created
-(pre-packing): measured on a 1.3 GB bert-large-shaped model, session creation took 1.31-1.46 s
-(fp32) and 0.35-0.39 s (int8, 431 MB) of which most is packing; with the packed layout saved at
-build time, 0.62-0.65 s and 0.17 s, the same steady latency. ORT writes that layout into the data
+(pre-packing), and for a big model that packing is most of a session's creation; the packed layout
+saved at build time is mapped instead, for the same steady latency. ORT writes that layout into the data
 file beside the original weights (`session.save_external_prepacked_constant_initializers`), with
 a graph whose initialisers name it (`prepacked_N` external-data keys).
 

@@ -23,17 +23,17 @@ quantized models are built only for the 1, 2, 4, ... attempts, judged over the w
 Ranking, cheapest (`local_errors`, ONE forward pass for all ops): each op's own output error — its
 fp32 input fake-quantized, its weight s8, against its fp32 output — a proxy that ignores how the error
 propagates. It replaces the per-op ranking where that would not fit in RANKING_SHARE of the budget
-(estimated from the whole-model attempt's run time): bert-large has 144 ops at ~0.75 s a forward, so
-the per-op ranking reached 53 of them in the whole budget and the rest kept graph order.
+(estimated from the whole-model attempt's run time): on a big model with a slow forward, the per-op
+ranking would reach only some of its ops within the budget, the rest left in graph order.
 
 Out of reach: before each 1, 2, 4, ... attempt the search asks whether the largest set of ops the
 budget still allows to keep fp32 could remove the error the gate needs gone (`_reach`): the
 whole-model attempt's missed figures say how much (a figure's miss, 1 - cosine or 1 - recall, taken
 as proportional to the output error's variance: exact for cosine, optimistic for recall, whose miss
 shrinks more slowly), the ranking says how much of it those ops carry. Where they carry less than
-half of it (REACH_SLACK), the search stops there: bert-large's static int8 missed recall by 2.7×
-with its error spread evenly over 144 ops; at ~25-45 s an attempt the budget could keep at most
-1-4 ops fp32 (≤ 3% of the error), and had spent 100 s on such attempts before the same rejection.
+half of it (REACH_SLACK), the search stops there: a model whose error is spread evenly over many
+ops, with slow attempts, could keep only a few of them fp32 within the budget, and would spend it on
+attempts that end in the same rejection.
 
 `state` (a dict the converter keeps across its build methods) caches the ranking per candidate set
 and the time already spent, so a second build method neither re-ranks nor gets a second budget.
@@ -186,8 +186,8 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
     record["whole_model"] = record["attempts"][0]
     kept: list[str] = []
     def spent() -> bool:
-        """No attempt is started that would end past the budget (bert-large: ~26 s an attempt, so
-        one begun at 114 s of 120 ended at 141)."""
+        """No attempt is started that would end past the budget (by the mean attempt so far): with
+        slow attempts, one begun just inside the budget would end well past it."""
         attempt_s = sum(attempt_times) / len(attempt_times)
         return time.perf_counter() - t0 + attempt_s > budget_s
     if not v.passed and candidates and budget_s > 0:
@@ -221,7 +221,7 @@ def search(candidates: list[str], quantize: Callable[[list[str], Optional[list[s
                     log.info("int8: %s", reach["why"])
                     break
             # Only the latest attempt can be chosen (a pass ends this loop; else the most-kept miss), so
-            # no other is held: a torch attempt is a whole quantized model (bert-large: +0.3 GB each).
+            # no other is held: a torch attempt is a whole quantized model.
             chosen, handles = None, {}
             handles[n], v = attempt(ranked[:n])
             if v.passed:
@@ -309,7 +309,7 @@ def _rank(candidates, quantize, run, cal, t0, budget_s, op_errors, local_errors=
                 f"batch(es) ({why})", False)
     if op_errors is not None:
         # The ranking spends the same budget: on a big model one forward per op can cost more than
-        # the whole budget (bert-large: 144 ops, 218 s); ops not reached follow in graph order.
+        # the whole budget; ops not reached follow in graph order.
         errors = op_errors(candidates, t0 + budget_s)
         measured = sorted(errors.items(), key=lambda e: -e[1])
         seen = set(errors)

@@ -234,8 +234,7 @@ def apply(src: Path, dst: Path, groups: list[SmoothGroup], external: bool) -> No
 def _stream_weights(g, src_dir: Path, data_path: Path, row_scales: dict[str, np.ndarray]) -> None:
     """Write every external weight of graph `g` (read from `src_dir`) to `data_path`, rows scaled
     where `row_scales` says, and point `g` at it. One weight in memory at a time: a weight rewritten
-    inside the loaded model would stay in protobuf's arena beside its replacement (bert-large's
-    smoothing held 2.6 GB for a 1.34 GB graph)."""
+    inside the loaded model would stay in protobuf's arena beside its replacement."""
     import onnx
     from onnx import numpy_helper
     from onnx.external_data_helper import uses_external_data
