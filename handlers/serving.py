@@ -6,8 +6,8 @@ initialize (once per worker):
 - the serving knobs come from the packed model-config.yaml `handler:` section
   (`threads`, `device`, `warmup_batch_size`, `max_request_bytes`);
 - the runtime is loaded by `handlers.runtime.load_runtime` (the same code the pipeline verified and
-  benchmarked), the task adapter is built once (tokenizer, labels), and one warm-up call at the
-  configured batch size runs so the first real request is not slow;
+  benchmarked) while the task adapter is built once (tokenizer, labels) in a second thread, and one
+  warm-up call at the configured batch size runs so the first real request is not slow;
 - a load-time breakdown is logged (`[load] ...` line) and kept in `self.load_breakdown_ms`.
 
 handle (per batch): each request is decoded on its own; a bad one gets its own 4xx JSON error via
@@ -25,6 +25,7 @@ import http
 import json
 import logging
 import os
+import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -203,16 +204,24 @@ class ServingHandler(ABC):
             self.select_gpu(gpu_id)
         self.device = kind if gpu_id is None else f"cuda:{gpu_id}"
 
+        task = dict(self.variant["task"])
+        if self.settings["max_request_bytes"]:
+            task["max_request_bytes"] = self.settings["max_request_bytes"]
+        # The adapter (a 250k-piece tokenizer takes ~0.3 s to parse) is built while the runtime loads:
+        # both release the GIL in their native code, so the worker waits for the longer one only.
+        adapter_box: dict = {}
+        adapter_thread = threading.Thread(target=_build_adapter, args=(model_dir, task, adapter_box),
+                                          name="adapter-load", daemon=True)
+        adapter_thread.start()
         self.runtime = load_runtime(model_dir, device=kind, threads=self.settings["threads"])
         # Release the session/model when the worker exits (or the handler is dropped).
         self._finalizer = weakref.finalize(self, _close_quietly, self.runtime)
         t_runtime = time.perf_counter()
-
-        task = dict(self.variant["task"])
-        if self.settings["max_request_bytes"]:
-            task["max_request_bytes"] = self.settings["max_request_bytes"]
-        self.adapter = make_adapter(model_dir, task)
-        t_adapter = time.perf_counter()
+        adapter_thread.join()
+        if "error" in adapter_box:
+            raise adapter_box["error"]
+        self.adapter = adapter_box["adapter"]
+        t_adapter = time.perf_counter()           # the wait for the adapter after the runtime
 
         warmup_bs = self.settings["warmup_batch_size"]
         if warmup_bs is None:
@@ -323,6 +332,13 @@ class _Failure:
 
     def __init__(self, status: int, message: str) -> None:
         self.status, self.message = status, message
+
+
+def _build_adapter(model_dir: str, task: dict, box: dict) -> None:
+    try:
+        box["adapter"] = make_adapter(model_dir, task)
+    except BaseException as e:      # re-raised by initialize in the worker's own thread
+        box["error"] = e
 
 
 def _close_quietly(runtime: Any) -> None:
