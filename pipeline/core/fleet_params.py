@@ -58,7 +58,7 @@ def check_fleet(fleet: FleetParams) -> None:
         key = f"fleet.targets[{i}]"
         if not _NAME.fullmatch(t.name):
             raise bad_value(f"{key}.name", t.name, "letters, digits, '_', '-', '.', starting with a letter or digit")
-        if names.count(t.name) > 1:
+        if t.name in names[:i]:
             raise bad_value(f"{key}.name", t.name, "a name no other target has")
         r = t.requires
         for sub, value in (("gpu_memory_mb", r.gpu_memory_mb), ("memory_mb", r.memory_mb), ("cpus", r.cpus)):

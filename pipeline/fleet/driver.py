@@ -56,6 +56,9 @@ def start_ray(targets: list[Target], say: Callable[[str], None]) -> tuple[bool, 
     """Connect to $RAY_ADDRESS, or start a local Ray offering the targets this machine meets.
     Returns (started here, CPUs each task takes: all of them locally, so targets never measure
     side by side on one machine)."""
+    if not os.environ.get("RAY_ADDRESS"):
+        # a Ray for this run only: on loopback (Ray reads this at import), reachable from nowhere else
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray import cloudpickle
     cloudpickle.register_pickle_by_value(remote)     # nodes need not have this checkout on their path
@@ -67,7 +70,7 @@ def start_ray(targets: list[Target], say: Callable[[str], None]) -> tuple[bool, 
     met = [t for t in targets if not unmet(t.requires, env)]
     cpus = os.cpu_count() or 1
     ray.init(num_cpus=cpus, resources={f"target:{t.name}": 1.0 for t in met}, log_to_driver=False,
-             include_dashboard=False)
+             include_dashboard=False, _node_ip_address="127.0.0.1")
     say(f"local Ray: this machine offers {', '.join(t.name for t in met) or 'no target'}")
     return True, cpus
 

@@ -40,7 +40,8 @@ def environment_differences(root: Path = REPO_ROOT) -> list[str]:
                 have = importlib.metadata.version(name)
             except importlib.metadata.PackageNotFoundError:
                 have = None
-            if have != want:
+            # PEP 440: a pin without a local label (+cpu) accepts any local build of that version
+            if have is None or (have if "+" in want else have.split("+")[0]) != want:
                 wrong.append(f"{name}=={want} (installed: {have or 'none'})")
     return wrong
 

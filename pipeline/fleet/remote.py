@@ -142,6 +142,12 @@ class TargetRun:
         if head != rev:
             raise Refused(f"code differs: the clone is at {head[:12]}, the driver at {rev[:12]}")
 
+    def push(self, *dvc_args: str, records: tuple[str, ...]) -> None:
+        """Outputs and run-cache to the DVC remote, then the run-cached stages' records DVC's push
+        leaves out (pipeline/fleet/push_records.py)."""
+        self.sh("dvc", "push", "--run-cache", *dvc_args, step="dvc push")
+        self.sh(sys.executable, "-m", "pipeline.fleet.push_records", *records, step="dvc push (records)")
+
     def run(self) -> dict:
         py = sys.executable
         self.say(f"fleet: {self.name}: clone at {self.job['rev'][:12]} in {self.root}")
@@ -154,14 +160,13 @@ class TargetRun:
         while not _get(self.coordinator.acquire.remote(self.name)):
             time.sleep(1.0)
         try:
-            # another target may have pushed these conversions a moment ago
-            self.sh("dvc", "pull", "--run-cache", "-q", step="dvc pull", check=False)
-            self.sh("dvc", "repro", "prepare", "convert", step="conversions")
-            self.sh("dvc", "push", "--run-cache", "prepare", "convert", step="dvc push")
+            # --pull: restore from the run-cache another target pushed; --allow-missing, or DVC re-runs (dvc#10412)
+            self.sh("dvc", "repro", "--pull", "--allow-missing", "prepare", "convert", step="conversions")
+            self.push("prepare", "convert", records=("prepare", "convert"))
         finally:
             self.coordinator.release.remote(self.name)
-        self.sh("dvc", "repro", "report", step="pipeline")
-        self.sh("dvc", "push", "--run-cache", "--with-deps", "report", step="dvc push")
+        self.sh("dvc", "repro", "--pull", "--allow-missing", "report", step="pipeline")
+        self.push("--with-deps", "report", records=("benchmark",))
         self.say("fleet: done")
         return _gathered(self.root)
 
