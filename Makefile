@@ -1,12 +1,13 @@
 # Two entry points, each doing its own idempotent set-up:
 #   make repro   set up, then run the pipeline (dvc repro) on params.yaml
 #   make test    set up, then run the test suite
+#   make fleet   set up, then build for every target of params.yaml fleet.targets on Ray (docs/fleet.md)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup repro test java clean-venv
+.PHONY: setup repro test fleet java clean-venv
 
 setup: $(STAMP) java
 
@@ -26,6 +27,10 @@ java:
 repro: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dvc repro
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/disk_account.py
+
+# One Ray task per fleet target ($$RAY_ADDRESS, else a local Ray); plain `make repro` needs no Ray.
+fleet: setup
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pipeline.fleet
 
 test: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 from pipeline.host.device import DeviceError
 from pipeline.core.params import ParamsError, load_params
-from pipeline.core.paths import ENV_JSON
+from pipeline.core.paths import ENV_JSON, TARGET_JSON
 from pipeline.host.probe import fingerprint
 
 log = logging.getLogger("stages.probe")
@@ -29,6 +30,11 @@ def main(argv=None) -> int:
     # rewrite only on change, so the file's mtime is stable too
     if not ENV_JSON.exists() or ENV_JSON.read_text() != text:
         ENV_JSON.write_text(text)
+    # The fleet target (pipeline/fleet sets PIPELINE_TARGET): the benchmarks depend on it, so their
+    # run-cache entries are per target. Only the name: a volatile value would defeat every cache hit.
+    target = json.dumps({"target": os.environ.get("PIPELINE_TARGET") or "local"}, indent=2) + "\n"
+    if not TARGET_JSON.exists() or TARGET_JSON.read_text() != target:
+        TARGET_JSON.write_text(target)
     cpu, gpu = env["cpu"], env["gpu"]
     log.info("device %s (benchmark.device %s); CPU %s, %s physical / %s usable cores; GPU %s; wrote %s",
              env["device"], params.benchmark.device, cpu["model"], cpu["physical_cores"], cpu["usable_cpus"],

@@ -8,7 +8,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom to top: a subpackage may import the ones before it, never one after it.
-LAYERS = ["core", "host", "model", "accuracy", "build", "measure", "decide", "serve", "publish"]
+LAYERS = ["core", "host", "model", "accuracy", "build", "measure", "decide", "serve", "publish", "fleet"]
 MAX_LINES = 500
 
 

@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from pipeline.core.fleet_params import FleetParams
 from pipeline.core.params_typed import ParamsError, build
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -258,6 +259,7 @@ class Params:
     tune: TuneParams = field(default_factory=TuneParams)
     serve_check: ServeCheckParams = field(default_factory=ServeCheckParams)
     publish: PublishParams = field(default_factory=PublishParams)
+    fleet: FleetParams = field(default_factory=FleetParams)     # make fleet (pipeline/core/fleet_params.py)
 
 
 # --------------------------------------------------------------------------- loading

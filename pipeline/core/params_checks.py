@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Iterable
 
+from pipeline.core.fleet_params import check_fleet
 from pipeline.core.params import INT8_VARIANTS, VARIANTS, Params
 from pipeline.core.params_typed import ParamsError, bad_value
 
@@ -160,3 +161,4 @@ CHECKS: tuple[Callable[[Params], None], ...] = (
 def check_semantics(p: Params) -> None:
     for check in CHECKS:
         check(p)
+    check_fleet(p.fleet)                    # its own module: pipeline/core/fleet_params.py

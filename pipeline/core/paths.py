@@ -10,6 +10,7 @@ METRICS = REPO_ROOT / "metrics"
 REPORTS = REPO_ROOT / "reports"
 
 ENV_JSON = ARTIFACTS / "env.json"                    # probe: hardware + library fingerprint
+TARGET_JSON = ARTIFACTS / "target.json"              # probe: the fleet target this run is for ($PIPELINE_TARGET)
 GOLDEN_DIR = ARTIFACTS / "golden"                    # prepare: inputs + eager fp32 reference outputs
 VARIANTS_DIR = ARTIFACTS / "variants"                # convert@<variant>: one folder per variant
 BENCHMARK_METRICS = METRICS / "benchmark"            # benchmark@<variant>: <variant>.json

@@ -59,7 +59,7 @@ for key in names(spec.get("params")):
         value = value.get(part) if isinstance(value, dict) else None
     h.update(key.encode() + json.dumps(value, sort_keys=True).encode())
 record = json.dumps({"stage": stage, "item": item, "digest": h.hexdigest()[:12], "value": int(h.hexdigest()[:6], 16)})
-for out in names(spec.get("outs")):
+for out in names((spec.get("outs") or []) + (spec.get("metrics") or []) + (spec.get("plots") or [])):
     p = Path(out)
     if p.suffix:
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +111,8 @@ def graph_repo(tmp_path_factory):
         body = spec.get("do", spec)
         items = params["variants"] if "foreach" in spec else [None]
         for item in items + (["torchscript"] if "foreach" in spec else []):
-            outs.update(_entries(body.get("outs"), item))
+            for kind in ("outs", "metrics", "plots"):        # metrics/plots: outputs too (run-cached stages)
+                outs.update(_entries(body.get(kind), item))
             deps.update(_entries(body.get("deps"), item))
         body["cmd"] = f"python fake_stage.py {name}" + (" ${item}" if "foreach" in spec else "")
     for dep in sorted(deps):
@@ -185,7 +186,8 @@ def test_every_declared_param_is_in_params_yaml(params_file):
 # Modules every stage imports that hold no computation of its outputs: declaring them would re-run
 # the whole pipeline for a docstring in params validation or a path constant.
 INFRASTRUCTURE = {"pipeline/core/params.py", "pipeline/core/params_typed.py", "pipeline/core/params_checks.py",
-                  "pipeline/core/paths.py", "pipeline/core/stage_record.py", "pipeline/core/disk.py"}
+                  "pipeline/core/fleet_params.py", "pipeline/core/paths.py", "pipeline/core/stage_record.py",
+                  "pipeline/core/disk.py"}
 
 
 def _imported_files(start: Path) -> set[Path]:
