@@ -10,12 +10,15 @@ initialize (once per worker):
   warm-up call at the configured batch size runs so the first real request is not slow;
 - a load-time breakdown is logged (`[load] ...` line) and kept in `self.load_breakdown_ms`.
 
-handle (per batch): each request is decoded on its own; a bad one gets its own 4xx JSON error via
-`context.set_response_status(code, phrase, idx)` while the valid ones are collated into ONE batch and
-answered normally. Exactly one response per request, in order, as JSON bytes built here
-(handlers/encode.py), so TorchServe does not re-encode them. Half-precision variants still take and
-return float32 JSON: the runtime casts. Where a request's time goes (decode, collate, model,
-respond) is summed per phase and logged now and then (handlers/profile.py).
+handle (per batch): each request is decoded on its own into one or more model rows (the adapter's
+`decode_request`: a rerank query with 20 texts is 20 rows); a bad one gets its own 4xx JSON error via
+`context.set_response_status(code, phrase, idx)`. The valid requests' rows are fanned out over model
+calls of at most `batch_rows` rows (handler setting; default TorchServe's batch size: batching
+counts rows, not requests) and gathered back per request. Exactly one response per request, in
+order, as JSON bytes built here (handlers/encode.py), so TorchServe does not re-encode them.
+Half-precision variants still take and return float32 JSON: the runtime casts. Where a request's
+time goes (decode, collate, model, respond) is summed per phase and logged now and then
+(handlers/profile.py).
 
 This module never imports torch: the ONNX handler must not pay for it.
 """
@@ -40,7 +43,7 @@ from handlers.tasks import RequestError, make_adapter
 log = logging.getLogger(__name__)
 
 VARIANT_FILE = "variant.json"
-HANDLER_SETTINGS = ("threads", "device", "warmup_batch_size", "max_request_bytes")
+HANDLER_SETTINGS = ("threads", "device", "warmup_batch_size", "max_request_bytes", "batch_rows")
 
 
 class HandlerSetupError(RuntimeError):
@@ -88,7 +91,7 @@ def handler_settings(model_yaml_config: Any) -> dict:
         log.warning("model-config.yaml handler: ignoring unknown keys %s (known: %s)",
                     unknown, ", ".join(HANDLER_SETTINGS))
     settings = {k: section.get(k) for k in HANDLER_SETTINGS}
-    for key in ("threads", "warmup_batch_size", "max_request_bytes"):
+    for key in ("threads", "warmup_batch_size", "max_request_bytes", "batch_rows"):
         value = settings[key]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise HandlerSetupError(f"model-config.yaml handler.{key} = {value!r}: needs a native YAML "
@@ -183,6 +186,7 @@ class ServingHandler(ABC):
         self.settings: dict = {}
         self.device = "cpu"
         self.load_breakdown_ms: dict = {}
+        self.batch_rows = 1
         self._finalizer = None
         self.profile = RequestProfile()
 
@@ -223,6 +227,7 @@ class ServingHandler(ABC):
         self.adapter = adapter_box["adapter"]
         t_adapter = time.perf_counter()           # the wait for the adapter after the runtime
 
+        self.batch_rows = int(self.settings.get("batch_rows") or props.get("batch_size") or 1)
         warmup_bs = self.settings["warmup_batch_size"]
         if warmup_bs is None:
             warmup_bs = int(props.get("batch_size") or 1)
@@ -261,13 +266,11 @@ class ServingHandler(ABC):
             return None
         t_start = time.perf_counter()
         responses: list = [None] * len(data)
-        samples: list = []
-        positions: list[int] = []
+        pending: list = []                 # (request index, Decoded)
         for idx, request in enumerate(data):
             _set_json(context, idx)
             try:
-                samples.append(self.decode_one(request, context, idx))
-                positions.append(idx)
+                pending.append((idx, self.decode_one(request, context, idx)))
             except RequestError as e:
                 responses[idx] = self._fail(context, idx, e.status, e.message)
             except (ValueError, TypeError, UnicodeError) as e:
@@ -276,18 +279,36 @@ class ServingHandler(ABC):
                 log.exception("decoding request %d failed", idx)
                 responses[idx] = self._fail(context, idx, 500, f"internal error decoding the request: {type(e).__name__}")
         self.profile.add(decode=time.perf_counter() - t_start)
-        if samples:
-            for pos, answer in zip(positions, self._infer(samples)):
-                if isinstance(answer, _Failure):
-                    responses[pos] = self._fail(context, pos, answer.status, answer.message)
-                else:
-                    responses[pos] = answer
+        # Fan out: every valid request's rows in one list, run in model calls of batch_rows rows.
+        owners = [k for k, (_, decoded) in enumerate(pending) for _ in decoded.rows]
+        rows = [row for _, decoded in pending for row in decoded.rows]
+        outputs: list = []
+        for start in range(0, len(rows), self.batch_rows):
+            outputs.extend(self._infer(rows[start:start + self.batch_rows]))
+        # Gather back: each request's row outputs, in its own order.
+        gathered: list = [[] for _ in pending]
+        for k, out in zip(owners, outputs):
+            gathered[k].append(out)
+        t_respond = time.perf_counter()
+        for (idx, decoded), outs in zip(pending, gathered):
+            failure = next((o for o in outs if isinstance(o, _Failure)), None)
+            if failure is not None:
+                responses[idx] = self._fail(context, idx, failure.status, failure.message)
+                continue
+            try:
+                responses[idx] = self.adapter.respond_request_bytes(outs, decoded)
+            except RequestError as e:
+                responses[idx] = self._fail(context, idx, e.status, e.message)
+            except Exception as e:
+                log.exception("answering request %d failed", idx)
+                responses[idx] = self._fail(context, idx, 500, f"internal error answering the request: {type(e).__name__}")
+        self.profile.add(respond=time.perf_counter() - t_respond)
         self.profile.batch(len(data), time.perf_counter() - t_start)
         return responses
 
-    def decode_one(self, request: Any, context: Any, idx: int) -> dict:
+    def decode_one(self, request: Any, context: Any, idx: int):
         # Empty bodies, the size limit and content checks are the adapter's (handlers/tasks.py).
-        return self.adapter.decode(request_body(request), request_content_type(context, idx))
+        return self.adapter.decode_request(request_body(request), request_content_type(context, idx))
 
     def _infer(self, samples: list) -> list:
         """Run the valid samples as one batch; if the batch fails, run them one by one so only the
@@ -305,14 +326,13 @@ class ServingHandler(ABC):
         return [self._infer([s])[0] for s in samples]
 
     def _run(self, samples: list) -> list:
+        """Each row's outputs (a list, one array per model output, batch dimension removed)."""
         t0 = time.perf_counter()
         feeds = self.adapter.collate(samples)
         t1 = time.perf_counter()
         outputs = self.runtime.run(feeds)
-        t2 = time.perf_counter()
-        answers = [self.adapter.respond_bytes(outputs, j, samples[j]) for j in range(len(samples))]
-        self.profile.add(collate=t1 - t0, model=t2 - t1, respond=time.perf_counter() - t2)
-        return answers
+        self.profile.add(collate=t1 - t0, model=time.perf_counter() - t1)
+        return [[o[j] for o in outputs] for j in range(len(samples))]
 
     @staticmethod
     def _fail(context: Any, idx: int, status: int, message: str) -> bytes:

@@ -4,10 +4,18 @@ Runs inside TorchServe as well as in the pipeline, so it imports only numpy, tok
 the standard library (never torch, never `pipeline/`). Built as `make_adapter(model_dir, task)`
 where `task` is variant.json's "task" mapping (kind + settings, optionally `max_request_bytes`).
 
-- `decode(body, content_type) -> {input: array}` one sample, no batch dim; bad input raises
-  `RequestError` (400 bad content, 413 too large, 415 wrong content type).
+- `decode_request(body, content_type) -> Decoded(rows, meta)`: ONE request becomes one or MANY model
+  rows (a rerank query with 50 texts is 50 rows; a list of texts to embed, one row each); the
+  serving handler fans the rows of all requests out over model calls and gathers them back.
+  Bad input raises `RequestError` (400 bad content, 413 too large / too many texts, 415 wrong type).
+- `respond_request(row_outputs, meta) -> JSON-able`: the request's answer from its rows' outputs
+  (`row_outputs[j]` = the model outputs of row j, batch dimension removed).
+- `decode(body, content_type) -> {input: array}` one sample, no batch dim (one-row requests).
 - `collate(samples) -> feeds` batch-first (text: padded to the batch's longest).
-- `respond(outputs, i) -> JSON-able` response of sample i.
+- `respond(outputs, i) -> JSON-able` response of sample i (one-row requests).
+
+The text tasks with their own module (text-classification, rerank, token-classification) are
+imported on first use by `make_adapter`, so tasks.py keeps the registry and the shared parsing.
 - `example_feeds(batch_size, seq_len=None)` deterministic synthetic feeds (warm-up, benchmarks).
 - `example_requests(n, seed)` deterministic valid (body bytes, content type) pairs.
 
@@ -84,6 +92,45 @@ def _text_of(body: Any) -> str:
     raise RequestError(400, f"request body of type {type(body).__name__} is not text")
 
 
+def _json_or_text(body: Any, media: str, usage: str) -> Any:
+    """A text body (text/plain or no type) as str, a JSON body as its decoded document."""
+    if media in JSON_TYPES or isinstance(body, (dict, list)):
+        return _parse_json(body)
+    if media == "" or media.startswith("text/"):
+        return _text_of(body)
+    raise RequestError(415, f"Content-Type {media!r} is not supported for text; {usage}")
+
+
+def check_text(value: Any, what: str, usage: str) -> str:
+    """`value` as a non-blank string, else a 400 naming `what`."""
+    if not isinstance(value, str):
+        raise RequestError(400, f"{what} must be a string, got {type(value).__name__}; {usage}")
+    if not value.strip():
+        raise RequestError(400, f"{what} is empty; {usage}")
+    return value
+
+
+def check_count(count: int, cap: int, what: str = "texts") -> None:
+    """413 when one request carries more rows than the per-request cap (params `model.text.max_texts`)."""
+    if count > cap:
+        raise RequestError(413, f"request has {count} {what}, over the cap of {cap} per request "
+                                f"(model.text.max_texts); split it into requests of at most {cap}")
+
+
+def check_keys(doc: dict, allowed: tuple, what: str, usage: str) -> None:
+    unknown = sorted(set(doc) - set(allowed))
+    if unknown:
+        raise RequestError(400, f"{what} has unknown key(s) {unknown}; allowed: {', '.join(allowed)}. {usage}")
+
+
+class Decoded:
+    """One request as model rows (feeds without a batch dim) and what its answer needs besides them."""
+    __slots__ = ("rows", "meta")
+
+    def __init__(self, rows: list, meta: Any = None) -> None:
+        self.rows, self.meta = rows, meta
+
+
 class TaskAdapter(ABC):
     kind = ""
 
@@ -101,10 +148,27 @@ class TaskAdapter(ABC):
                                     f"bytes; send a smaller input")
 
     def decode(self, body: Any, content_type: str | None = None) -> dict[str, np.ndarray]:
+        self.check_body(body)
+        return self._decode(body, _media_type(content_type))
+
+    def check_body(self, body: Any) -> None:
+        """Empty bodies and the size limit: the same for every task."""
         if body is None or (isinstance(body, (bytes, bytearray, str)) and len(body) == 0):
             raise RequestError(400, f"request body is empty; {self.usage()}")
         self._check_size(body)
-        return self._decode(body, _media_type(content_type))
+
+    def decode_request(self, body: Any, content_type: str | None = None) -> Decoded:
+        """The request's rows; one row unless the task fans a request out (see the module doc)."""
+        return Decoded([self.decode(body, content_type)])
+
+    def respond_request(self, row_outputs: list[list[np.ndarray]], meta: Any) -> Any:
+        return self.respond([o[None] for o in row_outputs[0]], 0)
+
+    def respond_request_bytes(self, row_outputs: list[list[np.ndarray]], decoded: Decoded) -> bytes:
+        """The request's answer as JSON bytes, what the serving handler returns (handlers/encode.py)."""
+        if len(decoded.rows) == 1 and type(self).respond_request is TaskAdapter.respond_request:
+            return self.respond_bytes([o[None] for o in row_outputs[0]], 0, decoded.rows[0])
+        return json_bytes(self.respond_request(row_outputs, decoded.meta))
 
     @abstractmethod
     def usage(self) -> str:
@@ -156,6 +220,7 @@ class TextEmbeddingAdapter(TaskAdapter):
         self.tokenizer = Tokenizer.from_file(str(path))
         self.max_length = int(self.task.get("max_length", 128))
         self.normalize = bool(self.task.get("normalize", False))
+        self.max_texts = int(self.task.get("max_texts", 64))
         padding = self.tokenizer.padding or {}
         pad_token = next((t for t in ("[PAD]", "<pad>") if self.tokenizer.token_to_id(t) is not None), None)
         self.pad_id = int(padding.get("pad_id", self.tokenizer.token_to_id(pad_token) if pad_token else 0))
@@ -164,7 +229,37 @@ class TextEmbeddingAdapter(TaskAdapter):
         self.tokenizer.enable_truncation(self.max_length)
 
     def usage(self) -> str:
-        return ('send text as text/plain, or JSON {"text": "..."} with Content-Type application/json')
+        return ('send text as text/plain, or JSON {"text": "..."} or {"inputs": ["...", ...]} (one embedding '
+                'per text) with Content-Type application/json')
+
+    def decode_request(self, body, content_type=None):
+        media = _media_type(content_type)
+        if media in JSON_TYPES or isinstance(body, (dict, list)):
+            self.check_body(body)
+            doc = _parse_json(body)
+            if isinstance(doc, dict) and isinstance(doc.get("inputs"), list):
+                texts = doc["inputs"]
+                if not texts:
+                    raise RequestError(400, f"`inputs` is an empty list; {self.usage()}")
+                check_count(len(texts), self.max_texts)
+                rows = [self._encode(check_text(t, f"inputs[{i}]", self.usage())) for i, t in enumerate(texts)]
+                return Decoded(rows, {"many": True})
+        return Decoded([self.decode(body, content_type)], {"many": False})
+
+    def respond_request(self, row_outputs, meta):
+        if meta and meta.get("many"):
+            return [self.vector([r[0][None]], 0).tolist() for r in row_outputs]
+        return self.respond([o[None] for o in row_outputs[0]], 0)
+
+    def respond_request_bytes(self, row_outputs, decoded):
+        if decoded.meta and decoded.meta.get("many"):
+            return json_bytes([self.vector([r[0][None]], 0) for r in row_outputs])
+        return self.respond_bytes([o[None] for o in row_outputs[0]], 0, decoded.rows[0])
+
+    def _encode(self, text: str) -> dict[str, np.ndarray]:
+        enc = self.tokenizer.encode(text)
+        return {"input_ids": np.asarray(enc.ids, dtype=np.int64),
+                "attention_mask": np.asarray(enc.attention_mask, dtype=np.int64)}
 
     def _decode(self, body, media):
         encoding = "float"
@@ -187,9 +282,7 @@ class TextEmbeddingAdapter(TaskAdapter):
             raise RequestError(415, f"Content-Type {media!r} is not supported for text; {self.usage()}")
         if not text.strip():
             raise RequestError(400, f"text is empty; {self.usage()}")
-        enc = self.tokenizer.encode(text)
-        sample = {"input_ids": np.asarray(enc.ids, dtype=np.int64),
-                  "attention_mask": np.asarray(enc.attention_mask, dtype=np.int64)}
+        sample = self._encode(text)
         if encoding != "float":
             sample["encoding_format"] = encoding
         return sample
@@ -404,10 +497,23 @@ class TensorAdapter(TaskAdapter):
 
 
 ADAPTERS = {cls.kind: cls for cls in (TextEmbeddingAdapter, ImageClassificationAdapter, TensorAdapter)}
+# Tasks in their own module (they import this one): loaded when first asked for.
+TASK_MODULES = {"text-classification": ("task_classification", "TextClassificationAdapter"),
+                "rerank": ("task_rerank", "RerankAdapter"),
+                "token-classification": ("task_tokens", "TokenClassificationAdapter")}
+KINDS = (*ADAPTERS, *TASK_MODULES)
+
+
+def adapter_class(kind: str) -> type:
+    if kind in ADAPTERS:
+        return ADAPTERS[kind]
+    if kind not in TASK_MODULES:
+        raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
+    import importlib
+    module, name = TASK_MODULES[kind]
+    # Packed as the `handlers` package in the .mar; also importable as top-level modules.
+    return getattr(importlib.import_module(f"{__package__}.{module}" if __package__ else module), name)
 
 
 def make_adapter(model_dir: str | Path, task: dict) -> TaskAdapter:
-    kind = task.get("kind")
-    if kind not in ADAPTERS:
-        raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(ADAPTERS)}")
-    return ADAPTERS[kind](model_dir, task)
+    return adapter_class(task.get("kind"))(model_dir, task)

@@ -37,6 +37,8 @@ __all__ = ["ParamsError"]      # raised here, defined with the typed builder (pa
 @dataclass(frozen=True)
 class TextParams:
     max_length: int = 128          # tokens; longer texts are truncated, shorter padded to the batch's longest
+    # (token-classification refuses a longer text with 413 instead: its offsets must cover the whole text)
+    max_texts: int = 64            # texts (rows) one request may carry: a rerank query's candidates, a list to embed
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ class ModelParams:
     name: str
     source: Literal["hf", "state_dict", "torchscript"]
     checkpoint: str
-    task: Literal["text-embedding", "image-classification", "tensor"]
+    task: Literal["text-embedding", "image-classification", "tensor", "text-classification", "rerank",
+                  "token-classification"]
     factory: Optional[str] = None              # "pkg.module:fn" or "path/to/file.py:fn"; state_dict only
     factory_kwargs: dict = field(default_factory=dict)
     input_shape: Optional[list[int]] = None    # tensor task: one sample, batch dim excluded

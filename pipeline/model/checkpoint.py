@@ -44,6 +44,9 @@ from pipeline.model.weights import (STATE_DICT_SUFFIXES, CheckpointError, KeyRep
                               check_readable, find_hf_weights, judge_missing, key_problem, load_into,
                               read_weights, state_dict_files)
 
+from pipeline.model import text_tasks
+from pipeline.model.text_tasks import TEXT_HEAD_TASKS
+
 log = logging.getLogger(__name__)
 
 
@@ -250,8 +253,11 @@ def _load_hf(params: Params, folder: Path) -> tuple[nn.Module, list[Path]]:
     # model built without memory (meta device) — peak memory near one copy, sharded or not.
     check_readable(weights, trust=params.model.trust_checkpoint)
     transformers = _quiet_transformers()
-    auto = (transformers.AutoModelForImageClassification if params.model.task == "image-classification"
-            else transformers.AutoModel)
+    if params.model.task in TEXT_HEAD_TASKS:
+        auto = text_tasks.auto_class(params.model.task)
+    else:
+        auto = (transformers.AutoModelForImageClassification if params.model.task == "image-classification"
+                else transformers.AutoModel)
     try:
         model, info = auto.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
                                            torch_dtype=torch.float32)
@@ -331,6 +337,8 @@ def load_model(params: Params) -> LoadedModel:
                               f"relative to the repo root, an absolute path, or pkg:<package>/<path>")
     if m.task == "text-embedding":
         loaded, report = _text_embedding(params, path)
+    elif m.task in TEXT_HEAD_TASKS:
+        loaded, report = text_tasks.text_head_model(params, path, _load_module)
     else:
         module, sources, report = _load_module(params, path)
         module = module.float().eval() if not isinstance(module, torch.jit.ScriptModule) else module.eval()

@@ -181,12 +181,18 @@ def write_golden(params: Params, loaded: LoadedModel, out_dir: str | Path) -> Go
     requests = adapter.example_requests(sum(plan), seed=params.conversion.golden_seed)
     log.info("golden set: %d batches (sizes %s), %d requests", len(plan), plan, len(requests))
 
+    # One request may be many model rows (a rerank query and its texts): the golden batches are the
+    # plan's sizes in ROWS; a request's HTTP case is answered from its rows' reference outputs.
+    decoded = [adapter.decode_request(body, ct) for body, ct in requests]
+    rows = [(row, r) for r, d in enumerate(decoded) for row in d.rows]
+    total = sum(plan)
+    row_outputs: list = [None] * len(rows)
+    first_at: dict = {}                     # request -> (batch k, position) of its first row
     batches, cases, entries, cursor = [], [], [], 0
     activations = ActivationRange(loaded.module)
     for k, size in enumerate(plan):
-        chunk = requests[cursor:cursor + size]
-        cursor += size
-        feeds = adapter.collate([adapter.decode(body, ct) for body, ct in chunk])
+        chunk = rows[cursor:cursor + size]
+        feeds = adapter.collate([row for row, _ in chunk])
         with activations:
             outputs = run_reference(loaded, feeds)
         file = f"batch_{k:03d}_b{size}.npz"
@@ -195,8 +201,23 @@ def write_golden(params: Params, loaded: LoadedModel, out_dir: str | Path) -> Go
         _save_npz(out_dir / file, arrays)
         entries.append({"file": file, "batch_size": size})
         batches.append(GoldenBatch(file, size, feeds, outputs))
-        for i, (body, ct) in enumerate(chunk):
-            cases.append(_http_case(f"b{k:03d}-{i:02d}", body, ct, adapter.respond(outputs, i), out_dir))
+        for j, (_, r) in enumerate(chunk):
+            row_outputs[cursor + j] = [o[j] for o in outputs]
+            first_at.setdefault(r, (k, j))
+        cursor += size
+    # The rest of the last request the batches reached: one more reference run, not a golden batch.
+    last = rows[total - 1][1]
+    rest = [i for i in range(total, len(rows)) if rows[i][1] == last]
+    if rest:
+        outputs = run_reference(loaded, adapter.collate([rows[i][0] for i in rest]))
+        for j, i in enumerate(rest):
+            row_outputs[i] = [o[j] for o in outputs]
+    for r in range(last + 1):
+        outs = [row_outputs[i] for i, (_, owner) in enumerate(rows) if owner == r]
+        k, j = first_at[r]
+        body, ct = requests[r]
+        cases.append(_http_case(f"b{k:03d}-{j:02d}", body, ct, adapter.respond_request(outs, decoded[r].meta),
+                                out_dir))
     activations.close()
 
     manifest = {

@@ -334,7 +334,7 @@ def test_settings_and_device_resolution():
     assert handler_settings({"handler": {"threads": 2, "device": "cpu", "warmup_batch_size": 8,
                                          "max_request_bytes": 1000}})["threads"] == 2
     assert handler_settings(None) == {"threads": None, "device": None, "warmup_batch_size": None,
-                                      "max_request_bytes": None}
+                                      "max_request_bytes": None, "batch_rows": None}
     with pytest.raises(HandlerSetupError, match="native YAML integer"):
         handler_settings({"handler": {"threads": "2"}})
     with pytest.raises(HandlerSetupError, match="allowed cpu, cuda, auto"):

@@ -1,0 +1,96 @@
+"""Load a Hugging Face folder for the text tasks with a classification head: text-classification,
+rerank (a cross-encoder: a sequence classifier with one logit) and token-classification.
+
+The module returned takes input_ids, attention_mask and — only where the model's forward has them —
+token_type_ids (BERT yes; RoBERTa/DistilBERT no), and returns the head's logits: [batch, labels]
+for the sequence tasks, [batch, tokens, labels] for token-classification. Labels come from
+config.json's `id2label`; the task mapping (variant.json "task") carries what the handler's adapter
+needs (handlers/task_*.py): labels, problem_type, max_length, max_texts, the inputs' names.
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pipeline.core.params import Params
+from pipeline.model.weights import CheckpointError
+
+SEQUENCE_TASKS = ("text-classification", "rerank")
+TOKEN_TASKS = ("token-classification",)
+TEXT_HEAD_TASKS = SEQUENCE_TASKS + TOKEN_TASKS
+
+
+class LogitsModel(nn.Module):
+    """A transformers model with a classification head as positional tensors -> logits."""
+
+    def __init__(self, model: nn.Module, token_types: bool):
+        super().__init__()
+        self.model = model
+        self.token_types = token_types
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.token_types:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                              token_type_ids=token_type_ids).logits
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def auto_class(task: str):
+    import transformers
+    if task in SEQUENCE_TASKS:
+        return transformers.AutoModelForSequenceClassification
+    return transformers.AutoModelForTokenClassification
+
+
+def takes_token_types(model: nn.Module) -> bool:
+    """Whether the model's forward has token_type_ids AND its config gives them a table (type_vocab_size)."""
+    if "token_type_ids" not in inspect.signature(model.forward).parameters:
+        return False
+    return int(getattr(model.config, "type_vocab_size", 0) or 0) > 0
+
+
+def labels_of(config, folder: Path) -> list[str]:
+    id2label = getattr(config, "id2label", None) or {}
+    n = int(getattr(config, "num_labels", len(id2label)))
+    try:
+        return [str(id2label[i]) for i in range(n)]
+    except KeyError as e:
+        raise CheckpointError(f"{folder}/config.json: id2label lacks label {e} of {n}; give every class a name") from None
+
+
+def text_head_model(params: Params, path: Path, load_module) -> tuple:
+    """(LoadedModel, KeyReport | None) for a text task with a classification head.
+    `load_module(params, path)` is checkpoint._load_module (the safe HF reader)."""
+    from pipeline.model.checkpoint import InputSpec, LoadedModel   # checkpoint imports this module lazily
+    task = params.model.task
+    if params.model.source != "hf":
+        raise CheckpointError(f"task {task!r} needs `model.source: hf` (a Hugging Face folder with config.json, "
+                              f"weights and tokenizer.json), got {params.model.source!r}")
+    tokenizer = path / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise CheckpointError(f"{path}: tokenizer.json is missing; {task} needs the fast tokenizer file "
+                              f"(save it with tokenizer.save_pretrained)")
+    model, sources, report = load_module(params, path)
+    model = model.float().eval()
+    config = model.config
+    labels = labels_of(config, path)
+    if task == "rerank" and len(labels) != 1:
+        raise CheckpointError(f"{path}: a rerank model (cross-encoder) has ONE output logit; this one has "
+                              f"{len(labels)} labels ({', '.join(labels[:5])}); serve it as text-classification")
+    token_types = takes_token_types(model)
+    names = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
+    seq = {0: "batch", 1: "sequence"}
+    max_length = min(params.model.text.max_length, int(getattr(config, "max_position_embeddings", 10 ** 9)))
+    spec = {"kind": task, "max_length": max_length, "max_texts": params.model.text.max_texts,
+            "tokenizer": "tokenizer.json", "labels": labels, "inputs": names,
+            "problem_type": getattr(config, "problem_type", None)}
+    loaded = LoadedModel(module=LogitsModel(model, token_types).eval(),
+                         inputs=[InputSpec(n, "int64", dict(seq)) for n in names],
+                         outputs=["logits"], task=spec, extra_files={"tokenizer.json": tokenizer},
+                         source_files=sources + [tokenizer])
+    return loaded, report
