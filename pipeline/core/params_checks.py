@@ -38,7 +38,7 @@ def check_model(p: Params) -> None:
     if m.factory and ":" not in m.factory:
         raise bad_value("model.factory", m.factory, "'pkg.module:function' or 'path/to/file.py:function'")
     if m.text.max_texts < 1:
-        raise _bad("model.text.max_texts", m.text.max_texts, "an integer >= 1 (texts one request may carry)")
+        raise bad_value("model.text.max_texts", m.text.max_texts, "an integer >= 1 (texts one request may carry)")
     if m.task == "tensor":
         if not m.input_shape:
             raise ParamsError("params.yaml: `model.input_shape` is required when `model.task` is 'tensor' "

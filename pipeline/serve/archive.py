@@ -40,11 +40,13 @@ log = logging.getLogger(__name__)
 
 HANDLERS_DIR = REPO_ROOT / "handlers"
 # The handler modules an archive needs besides its entry module: shared logic, tasks, runtimes.
-SERVING_MODULES = ("__init__.py", "serving.py", "tasks.py", "encode.py", "profile.py", "runtime.py", "runtime_torch.py",
-                   "runtime_onnx.py")
+# tasks.py imports the task_*.py modules on first use (handlers.tasks.TASK_MODULES): all are packed.
+TASK_FILES = ("task_text.py", "task_classification.py", "task_rerank.py", "task_tokens.py")
+SERVING_MODULES = ("__init__.py", "serving.py", "tasks.py", *TASK_FILES, "encode.py", "profile.py", "runtime.py",
+                   "runtime_torch.py", "runtime_onnx.py")
 ENTRY_HANDLERS = {"torch": "torch_handler.py", "onnx": "onnx_handler.py"}
 BASELINE_HANDLER = "baseline_handler.py"
-BASELINE_MODULES = ("__init__.py", "tasks.py", "encode.py")
+BASELINE_MODULES = ("__init__.py", "tasks.py", *TASK_FILES, "encode.py")
 PROVENANCE = "provenance.json"
 BASELINE_SPEC = "baseline.json"
 MODEL_CONFIG = "model-config.yaml"
