@@ -23,9 +23,11 @@ from typing import Any, Optional
 
 import numpy as np
 
+from pipeline.accuracy import task_gate_text
+
 EMBEDDING = "text-embedding"
 CLASSIFICATION = "image-classification"
-TASK_KINDS = (EMBEDDING, CLASSIFICATION)     # the others use the element-wise rule
+TASK_KINDS = (EMBEDDING, CLASSIFICATION, *task_gate_text.KINDS)     # tensor uses the element-wise rule
 
 
 def _get(tol: Any, name: str):
@@ -104,11 +106,17 @@ def figures_from_outputs(kind: str, got: np.ndarray, ref: np.ndarray, tol: Any) 
     if kind == CLASSIFICATION:
         k = int(_get(tol, "topk"))
         return classification_figures(topk_indices(got, k).tolist(), topk_indices(ref, k).tolist(), k)
+    if kind == task_gate_text.TEXT_CLASSIFICATION:
+        return task_gate_text.text_classification_figures(got, ref)
+    if kind == task_gate_text.RERANK:
+        return task_gate_text.rerank_figures(got, ref)
     raise ValueError(f"task {kind!r} has no task gate; it is judged element-wise")
 
 
 def judge(figures: dict, tol: Any) -> Optional[str]:
     """The first reason the figures miss the gate, or None."""
+    if figures["kind"] in task_gate_text.KINDS:
+        return task_gate_text.judge(figures, tol)
     if figures["kind"] == EMBEDDING:
         if figures["min_cosine"] is not None and figures["min_cosine"] < _get(tol, "min_cosine"):
             return (f"cosine {figures['min_cosine']:.6f} < min_cosine {_get(tol, 'min_cosine')} "
@@ -133,6 +141,8 @@ def judge(figures: dict, tol: Any) -> Optional[str]:
 
 def summary(figures: dict) -> str:
     """One line of the figures, for logs and reasons."""
+    if figures["kind"] in task_gate_text.KINDS:
+        return task_gate_text.summary(figures)
     if figures["kind"] == EMBEDDING:
         return (f"min cosine {figures['min_cosine']:.5f}, mean {figures['mean_cosine']:.5f}, "
                 f"recall@{figures['k']} {figures['recall_at_k'] if figures['recall_at_k'] is None else round(figures['recall_at_k'], 4)}"

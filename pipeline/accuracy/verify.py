@@ -129,10 +129,14 @@ def judge(checks: list[OutputCheck], tol: Tolerance, min_topk_agreement: float) 
     return None
 
 
-def task_gate_figures(results: list, output_names: list[str], tol: Tolerance, kind: str) -> dict:
+def task_gate_figures(results: list, output_names: list[str], tol: Tolerance, kind: str,
+                      labels: Optional[list] = None) -> dict:
     """Every 2-D output's task figures over all samples of all batches; each sample named by its
     (batch number, row) so the worst can be found in the golden set."""
     figures = {}
+    if kind == task_gate.task_gate_text.TOKENS:      # [batch, tokens, labels], tokens differ per batch
+        return {output_names[0]: task_gate.task_gate_text.entity_figures(
+            [g[0] for _, g, _ in results], [r[0] for _, _, r in results], labels)}
     where = [(k, row) for k, (_, got, _) in enumerate(results) for row in range(np.asarray(got[0]).shape[0])]
     for i, name in enumerate(output_names):
         got = np.concatenate([np.asarray(g[i]) for _, g, _ in results])
@@ -150,7 +154,7 @@ def task_gate_figures(results: list, output_names: list[str], tol: Tolerance, ki
 
 def compare(results: list[tuple[int, list[np.ndarray], list[np.ndarray]]], output_names: list[str],
             tol: Tolerance, classification: bool, min_topk_agreement: float,
-            task: Optional[str] = None) -> Verification:
+            task: Optional[str] = None, labels: Optional[list] = None) -> Verification:
     """Pure comparison: `results` = [(batch_size, got_outputs, reference_outputs)] per golden batch.
     `task` (the golden set's task kind) matters only for a tolerance with `gate: task`."""
     checks = [OutputCheck(n) for n in output_names]
@@ -166,7 +170,7 @@ def compare(results: list[tuple[int, list[np.ndarray], list[np.ndarray]]], outpu
         sizes.append(batch_size)
     worst = max(checks, key=lambda c: c._worst_ratio)._worst if checks else None
     if task_gate.uses_task_gate(tol, task):
-        figures = task_gate_figures(results, output_names, tol, task)
+        figures = task_gate_figures(results, output_names, tol, task, labels)
         reason = next((f"output '{name}': {r} (task gate figures: {task_gate.summary(f)})"
                        for name, f in figures.items() if (r := task_gate.judge(f, tol))), None)
         if not figures:
@@ -200,7 +204,7 @@ def verify_variant(model_dir: str | Path, golden, tol: Tolerance, min_topk_agree
     finally:
         runtime.close()
     v = compare(results, list(golden.outputs), tol, classification, min_topk_agreement,
-                task=golden.task.get("kind"))
+                task=golden.task.get("kind"), labels=golden.task.get("labels"))
     v.seconds = time.perf_counter() - t0
     return v
 

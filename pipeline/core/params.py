@@ -81,6 +81,8 @@ class Tolerance:
     min_top1_agreement: float = 0.97
     min_topk_overlap: float = 0.8
     topk: int = 5
+    min_ndcg: float = 0.95                     # rerank: NDCG@10 of the variant's order vs eager's (task_gate_text)
+    min_entity_f1: float = 0.95                # token-classification: entity F1 vs eager's, exact span + type
 
 
 def _default_tolerances() -> dict:
