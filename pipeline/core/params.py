@@ -191,6 +191,9 @@ class ServeParams:
     latency_slo_ms: float = 200.0              # p99 per request, batching delay included
     objective: Literal["throughput", "latency", "cold_load"] = "throughput"
     require_slo: bool = False
+    # Exact by default: an int8 variant (its answers move beyond the float tolerances) is served only
+    # when the user accepts it; otherwise the decision shows what it would give and this opt-in line.
+    allow_quantized: bool = False
     memory_budget_mb: float = 4096.0           # per worker
     max_cold_load_s: Optional[float] = None
     # Disk the deployment host reads the artifact from; null: the read speed measured here (page cache).

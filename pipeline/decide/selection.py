@@ -26,6 +26,8 @@ from pipeline.decide.serve_config import (DerivationError, OperatingPoint, choos
 #   onnx-int8-dynamic, onnx-int8-static, int8 — quantized: judged by the task's gate rather than
 #                 per element, hardware-dependent speed (VNNI/AMX), last: they win only when faster
 #                 beyond the noise.
+QUANTIZED = ("onnx-int8-dynamic", "onnx-int8-static", "int8")
+OPT_IN = "serve.allow_quantized: true"     # the params.yaml line that lets a quantized variant win
 SIMPLICITY_ORDER = ("onnx", "torchscript", "eager", "aoti", "onnx-fp16", "fp16", "bf16",
                     "onnx-int8-dynamic", "onnx-int8-static", "int8")
 
@@ -41,6 +43,7 @@ class Criteria:
     memory_budget_mb: float = 4096.0
     max_cold_load_s: Optional[float] = None
     require_slo: bool = False
+    allow_quantized: bool = False
     min_batch_gain: float = 0.05
     noise_floor: float = 0.03
     delay_headroom_share: float = 0.5
@@ -63,6 +66,7 @@ class Candidate:
     slo_ok: bool = False
     budget_failures: int = 0            # constraints other than the latency SLO that failed
     op: Optional[OperatingPoint] = None
+    was: str = ""                       # status before a quantized variant was held back (opt-in)
 
     def record(self) -> dict:
         return {"status": self.status, "reasons": self.reasons, "figures": self.figures}
@@ -214,6 +218,7 @@ def select(variants: list[str], conversions: dict[str, Optional[dict]], benchmar
         raise SelectionError(f"serve.objective {criteria.objective!r} unknown; use one of {', '.join(OBJECTIVES)}")
     objective = OBJECTIVES[criteria.objective]
     cands = [evaluate(v, conversions.get(v), benchmarks.get(v), criteria, workers_for) for v in variants]
+    held = hold_back_quantized(cands, criteria)
     eligible = [c for c in cands if c.status == "eligible"]
     accurate = [c for c in cands if c.accurate]
     tie = None
@@ -254,7 +259,33 @@ def select(variants: list[str], conversions: dict[str, Optional[dict]], benchmar
         "tie_break": tie,
         "criteria": dataclasses.asdict(criteria),
         "variants": {c.variant: c.record() for c in cands},
+        "quantized_alternative": quantized_alternative(held, objective),
     }
+
+
+def hold_back_quantized(cands: list[Candidate], criteria: Criteria) -> list[Candidate]:
+    """Exact by default: unless the user opts in, quantized variants cannot win (nor be the closest
+    accurate fallback); they keep their figures so the decision can show what they would give."""
+    if criteria.allow_quantized:
+        return []
+    held = [c for c in cands if c.variant in QUANTIZED and c.accurate]
+    for c in held:
+        c.was = c.status
+        c.status, c.accurate = "opt-in", False
+        c.reasons.append(f"quantized: its answers move beyond the float tolerances, so it is served only when "
+                         f"params.yaml says `{OPT_IN}`")
+    return held
+
+
+def quantized_alternative(held: list[Candidate], objective: Objective) -> Optional[dict]:
+    """The best held-back quantized variant: its speed and task-gate figures, and the line to opt in."""
+    usable = [c for c in held if c.was == "eligible"] or held
+    if not usable:
+        return None
+    best = max(usable, key=objective.score)
+    return {"variant": best.variant, "opt_in": OPT_IN, "met_constraints": best.was == "eligible",
+            "figures": {k: best.figures.get(k) for k in ("throughput_sps", "request_p99_ms", "batch_size",
+                                                          "worker_memory_mb", "task_gate") if k in best.figures}}
 
 
 def check_decision(decision: dict, require_slo: bool) -> None:

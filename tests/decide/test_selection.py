@@ -173,3 +173,22 @@ def test_select_and_configure_stages_end_to_end(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "NO VARIANT MEETS" in r.stderr
     assert json.loads(selection.read_text())["slo_met"] is False
+
+
+def test_exact_by_default_quantized_wins_only_when_the_user_opts_in():
+    gate = {"embedding": {"kind": "text-embedding", "min_cosine": 0.996, "recall_at_k": 0.97}}
+    int8 = {**CONVERTED, "dtype": "int8", "verification": {**CONVERTED["verification"], "task_gate": gate}}
+    benches = {"onnx": bench(curve(1.0)), "onnx-int8-dynamic": bench(curve(2.0))}
+    convs = {"onnx": CONVERTED, "onnx-int8-dynamic": int8}
+    d = run(benches, convs)
+    assert d["winner"] == "onnx"                                    # the faster int8 is held back
+    assert d["variants"]["onnx-int8-dynamic"]["status"] == "opt-in"
+    alt = d["quantized_alternative"]
+    assert alt["variant"] == "onnx-int8-dynamic" and alt["opt_in"] == "serve.allow_quantized: true"
+    assert alt["figures"]["throughput_sps"] == 760.0 and alt["figures"]["task_gate"] == gate
+    assert alt["met_constraints"] is True
+    opted = run(benches, convs, allow_quantized=True)
+    assert opted["winner"] == "onnx-int8-dynamic" and opted["quantized_alternative"] is None
+    # only int8 works: still not served without the opt-in
+    alone = run({"int8": bench(curve(1.0))}, {"int8": int8})
+    assert alone["winner"] is None and alone["quantized_alternative"]["variant"] == "int8"
