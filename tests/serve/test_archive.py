@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.serve.archive import (ArchiveError, archive_contents, archive_digests, build_archive, build_baseline,
+from pipeline.serve.archive import (TASK_FILES, ArchiveError, archive_contents, archive_digests, build_archive, build_baseline,
                               sha256_file)
 from pipeline.model.checkpoint import load_model
 from pipeline.core.params import checkpoint_path
@@ -160,7 +160,8 @@ def test_archive_reproducible_and_provenance(tmp_path, tensor_build):
     expected_names = {"variant.json", "model.pt", "torch_handler.py", "model-config.yaml", "provenance.json",
                       "handlers/__init__.py", "handlers/serving.py", "handlers/tasks.py", "handlers/encode.py",
                       "handlers/profile.py", "handlers/runtime.py", "handlers/runtime_torch.py",
-                      "handlers/runtime_onnx.py", "MAR-INF/MANIFEST.json"}
+                      "handlers/runtime_onnx.py", "MAR-INF/MANIFEST.json"} | \
+        {f"handlers/{f}" for f in TASK_FILES}       # tasks.py loads them on first use
     assert set(contents) == expected_names
     prov = json.loads(contents["provenance.json"])
     # sha256 of every other file in the archive, checked against the bytes actually packed.
@@ -197,7 +198,7 @@ def test_archive_loads_in_torchserve_loader_and_matches_baseline(tmp_path, tenso
     assert "load_models=signalnet=signalnet.mar" in props and f"model_store={(tmp_path / 'baseline').as_posix()}" in props
     names = set(archive_contents(base.path))
     assert {"baseline_handler.py", "baseline.json", "weights.safetensors", "model.py", "handlers/tasks.py",
-            "handlers/encode.py"} <= names
+            "handlers/encode.py", "handlers/task_tensor.py"} <= names
     assert "model-config.yaml" not in names
     got_base = load_and_predict(unpack(base.path, tmp_path / "base"), requests)
     assert got_base["status"] == [200, 400, 400]
