@@ -29,7 +29,8 @@ def cached_outputs(repo: Path) -> list[Path]:
     lock = yaml.safe_load((repo / "dvc.lock").read_text()) if (repo / "dvc.lock").exists() else {"stages": {}}
     uncached = set()
     for body in spec["stages"].values():
-        for entry in body.get("do", body).get("outs") or []:
+        stage = body.get("do", body)
+        for entry in [e for key in ("outs", "metrics", "plots") for e in stage.get(key) or []]:
             if isinstance(entry, dict):
                 path, opts = next(iter(entry.items()))
                 if (opts or {}).get("cache") is False:
