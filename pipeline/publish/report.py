@@ -31,7 +31,7 @@ from pipeline.publish import report_sections as sections
 from pipeline.publish.report_inputs import ReportInputs
 from pipeline.publish.report_plots import draw_plots
 from pipeline.publish.report_render import Block, Heading, render_html, render_markdown
-from pipeline.publish.report_serving import startup_blocks, tuning_blocks
+from pipeline.publish.report_serving import quantized_alternative_blocks, startup_blocks, tuning_blocks
 from pipeline.publish.report_summary import summary_metrics
 
 
@@ -41,6 +41,7 @@ def build_blocks(inputs: ReportInputs, summary: dict, images: dict[str, Path]) -
             # Decision first: it is what the reader came for.
             *sections.decision_blocks(inputs, summary),
             *tuning_blocks(inputs),
+            *quantized_alternative_blocks(inputs),
             *sections.variants_blocks(inputs),
             *sections.verification_blocks(inputs),
             *sections.accuracy_trade_blocks(inputs),

@@ -95,7 +95,53 @@ def references_blocks(inputs: ReportInputs) -> list[Block]:
                for n, s_ in setups.items()])]
     if refs.get("ratios_handtuned"):
         b.append(Para(f"Winner / hand-tuned: {refs['ratios_handtuned']}."))
+    return b + bound_blocks(inputs)
+
+
+PHASE_ROWS = (("decode", "decode_us", "parsing and tokenizing each request"),
+              ("collate", "collate_us", "padding the requests into one batch"),
+              ("model", "model_us", "the runtime's call"),
+              ("respond", "respond_us", "building and serialising the answers"),
+              ("the handler in all", "handle_us", "handle() per request, these phases and the rest"))
+
+
+def bound_blocks(inputs: ReportInputs) -> list[Block]:
+    """Served vs the speed the host allows (pipeline/serve/ceiling.py) and where a request's time
+    goes inside the worker (the handler's own timers under the load)."""
+    sc = inputs.serve_check or {}
+    bound = (sc.get("references") or {}).get("bound") or {}
+    profile = sc.get("handler_profile") or {}
+    b: list[Block] = []
+    if bound.get("bound_rps"):
+        alone = bound.get("model_alone") or {}
+        b += [Heading("Against the host's bound", 3),
+              Para(f"Served {fmt(bound.get('served_rps'))} req/s of a bound of {fmt(bound.get('bound_rps'))} "
+                   f"= **{fmt(bound.get('served_vs_bound'))}**, where bound = {bound.get('formula')}: the ceiling is a "
+                   f"do-nothing handler served exactly as the model is, in the same rounds and load "
+                   f"({fmt(bound.get('ceiling_rps'))} req/s); the model alone is {fmt(alone.get('workers'))} worker(s) x "
+                   f"the benchmark's {fmt(alone.get('per_process_sps'))} samples/s at batch {fmt(alone.get('batch_size'))} "
+                   f"({fmt(bound.get('model_alone_rps'))}).")]
+    if profile.get("requests"):
+        b += [Para(f"Where a request's time goes inside the workers (their own timers, {profile['requests']} requests "
+                   f"in {profile.get('batches')} batches under the check's load), microseconds per request:"),
+              Table(["phase", "µs / request", "what"],
+                    [[name, profile.get(key), what] for name, key, what in PHASE_ROWS if key in profile])]
     return b
+
+
+def quantized_alternative_blocks(inputs: ReportInputs) -> list[Block]:
+    """The int8 variant selection held back (exact by default), what it would give, the line to opt in."""
+    alt = (inputs.selection or {}).get("quantized_alternative")
+    if not alt:
+        return []
+    fig = alt.get("figures") or {}
+    gate = next(iter((fig.get("task_gate") or {}).values()), {}) if isinstance(fig.get("task_gate"), dict) else {}
+    gate_text = ", ".join(f"{k} {fmt(v)}" for k, v in gate.items() if isinstance(v, (int, float)) and k != "samples")
+    return [Heading("Held back: the quantized alternative", 3),
+            Para(f"`{alt.get('variant')}` would give {fmt(fig.get('throughput_sps'))} samples/s at batch "
+                 f"{fmt(fig.get('batch_size'))} (request p99 {fmt(fig.get('request_p99_ms'))} ms); its answers move "
+                 f"beyond the float tolerances (task gate: {gate_text or 'see its conversion record'}). The served "
+                 f"variant stays exact; to serve it instead, set `{alt.get('opt_in')}` in params.yaml.")]
 
 
 # --------------------------------------------------------------------------- start-up and memory

@@ -271,3 +271,26 @@ def test_the_page_words_the_verdict_it_is_given():
     served = {**summary, "slo_met": True, "slo_basis": "served"}
     md = render_markdown(build_blocks(inputs, served, {}), Path("."))
     assert "latency SLO 100 ms p99: met in TorchServe under the expected load" in md
+
+
+def test_page_shows_served_against_the_bound_and_the_held_back_int8():
+    inputs = _served_inputs(90.0)
+    bound = {"served_rps": 398.4, "ceiling_rps": 694.17, "model_alone_rps": 1355.96, "bound_rps": 459.12,
+             "served_vs_bound": 0.868, "formula": "1 / (1 / ceiling + 1 / model_alone)",
+             "model_alone": {"workers": 2, "per_process_sps": 677.98, "batch_size": 8}}
+    inputs.serve_check["references"]["bound"] = bound
+    inputs.serve_check["references"]["setups"]["winner"].update({"throughput_rps": 398.4, "ready_s": 2.7})
+    inputs.serve_check["handler_profile"] = {"requests": 491, "batches": 180, "decode_us": 99.9, "collate_us": 13.4,
+                                             "model_us": 4225.1, "respond_us": 54.2, "handle_us": 4408.9}
+    inputs.selection["quantized_alternative"] = {
+        "variant": "onnx-int8-dynamic", "opt_in": "serve.allow_quantized: true",
+        "figures": {"throughput_sps": 520.5, "batch_size": 8, "request_p99_ms": 24.7,
+                    "task_gate": {"embedding": {"min_cosine": 0.998, "recall_at_k": 0.9651}}}}
+    md = render_markdown(build_blocks(inputs, summary_metrics(inputs), {}), Path("."))
+    assert "Served 398.4 req/s of a bound of 459.1 = **0.868**" in md and "(694.2 req/s)" in md
+    assert "| model | 4225 |" in md and "| respond | 54.2 |" in md and "491 requests in 180 batches" in md
+    assert "`onnx-int8-dynamic` would give 520.5 samples/s" in md and "set `serve.allow_quantized: true`" in md
+    assert "recall_at_k 0.9651" in md
+    # Without the figures, no such sections.
+    bare = render_markdown(build_blocks(_served_inputs(90.0), summary_metrics(_served_inputs(90.0)), {}), Path("."))
+    assert "host's bound" not in bare and "Held back" not in bare
