@@ -52,10 +52,10 @@ def job_for(params: Params, repo: Path) -> dict:
     return {"rev": _git(repo, "rev-parse", "HEAD"), "repo": url, "workdir": params.fleet.workdir}
 
 
-def start_ray(targets: list[Target], say: Callable[[str], None]) -> tuple[bool, int]:
+def start_ray(targets: list[Target], say: Callable[[str], None]) -> tuple[bool, int, dict[str, str]]:
     """Connect to $RAY_ADDRESS, or start a local Ray offering the targets this machine meets.
     Returns (started here, CPUs each task takes: all of them locally, so targets never measure
-    side by side on one machine)."""
+    side by side on one machine, {target this local Ray can never offer: why})."""
     if not os.environ.get("RAY_ADDRESS"):
         # a Ray for this run only: on loopback (Ray reads this at import), reachable from nowhere else
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -64,7 +64,7 @@ def start_ray(targets: list[Target], say: Callable[[str], None]) -> tuple[bool, 
     cloudpickle.register_pickle_by_value(remote)     # nodes need not have this checkout on their path
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-        return False, 1
+        return False, 1, {}
     from pipeline.host.probe import fingerprint
     env = fingerprint("auto")
     met = [t for t in targets if not unmet(t.requires, env)]
@@ -72,7 +72,10 @@ def start_ray(targets: list[Target], say: Callable[[str], None]) -> tuple[bool, 
     ray.init(num_cpus=cpus, resources={f"target:{t.name}": 1.0 for t in met}, log_to_driver=False,
              include_dashboard=False, _node_ip_address="127.0.0.1")
     say(f"local Ray: this machine offers {', '.join(t.name for t in met) or 'no target'}")
-    return True, cpus
+    # no autoscaler here: waiting schedule_timeout_s for these would change nothing
+    never = {t.name: "no RAY_ADDRESS, and this machine (the local Ray's only node) lacks "
+             + "; ".join(unmet(t.requires, env)) for t in targets if t not in met}
+    return True, cpus, never
 
 
 def run_fleet(params: Params, repo: Path, say: Callable[[str], None] = print) -> dict[str, dict]:
@@ -82,9 +85,14 @@ def run_fleet(params: Params, repo: Path, say: Callable[[str], None] = print) ->
     if not targets:
         raise FleetError("params.yaml has no fleet.targets: list the targets to build for (README, docs/fleet.md)")
     job = job_for(params, repo)
-    started_here, cpus = start_ray(targets, say)
+    started_here, cpus, never = start_ray(targets, say)
     try:
-        return _run(ray, job, targets, params.fleet.schedule_timeout_s, cpus, say)
+        results = {name: _record("unschedulable", reason) | {"log": []} for name, reason in never.items()}
+        for name, reason in never.items():
+            say(f"[{name}] unschedulable: {reason}")
+        runnable = [t for t in targets if t.name not in never]
+        results.update(_run(ray, job, runnable, params.fleet.schedule_timeout_s, cpus, say) if runnable else {})
+        return {t.name: results[t.name] for t in targets}        # in params.yaml's order
     finally:
         if started_here:
             ray.shutdown()

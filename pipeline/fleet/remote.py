@@ -120,9 +120,9 @@ class TargetRun:
 
     def _line(self, line: str, out: list) -> None:
         out.append(line)
-        if m := RAN.search(line):
+        if (m := RAN.search(line)) and m.group(1) not in self.stages_run:
             self.stages_run.append(m.group(1))
-        elif m := RESTORED.search(line):
+        elif (m := RESTORED.search(line)) and m.group(1) not in self.stages_restored + self.stages_run:
             self.stages_restored.append(m.group(1))
         self.coordinator.log.remote(self.name, line)
 
@@ -142,18 +142,19 @@ class TargetRun:
         if head != rev:
             raise Refused(f"code differs: the clone is at {head[:12]}, the driver at {rev[:12]}")
 
-    def push(self, *dvc_args: str, records: tuple[str, ...]) -> None:
-        """Outputs and run-cache to the DVC remote, then the run-cached stages' records DVC's push
-        leaves out (pipeline/fleet/push_records.py)."""
-        self.sh("dvc", "push", "--run-cache", *dvc_args, step="dvc push")
-        self.sh(sys.executable, "-m", "pipeline.fleet.push_records", *records, step="dvc push (records)")
+    def push(self, *args: str) -> None:
+        """Outputs and run-cache to the DVC remote, with the run-cached stages' records DVC's push
+        leaves out (pipeline/fleet/dvc_push.py)."""
+        self.sh(sys.executable, "-m", "pipeline.fleet.dvc_push", *args, step="dvc push")
 
     def run(self) -> dict:
         py = sys.executable
         self.say(f"fleet: {self.name}: clone at {self.job['rev'][:12]} in {self.root}")
         self.checkout()
         self.sh(py, "-m", "pipeline.fleet.node_checks", "environment", step="environment check", refuse_on=REFUSED_EXIT)
-        self.sh("dvc", "repro", "probe", step="probe")
+        # the probe alone (DVC's `repro probe` would be a second one): `requires` is checked before any work
+        self.sh(py, "-m", "stages.probe", step="probe")
+        self.stages_run.append("probe")
         self.sh(py, "-m", "pipeline.fleet.node_checks", "requires", json.dumps(self.target.get("requires") or {}),
                 step="hardware check", refuse_on=REFUSED_EXIT)
         self.say("fleet: waiting for the conversion lock")
@@ -161,12 +162,14 @@ class TargetRun:
             time.sleep(1.0)
         try:
             # --pull: restore from the run-cache another target pushed; --allow-missing, or DVC re-runs (dvc#10412)
-            self.sh("dvc", "repro", "--pull", "--allow-missing", "prepare", "convert", step="conversions")
-            self.push("prepare", "convert", records=("prepare", "convert"))
+            # --single-item: not the probe again (upstream of convert, always changed); it just ran
+            self.sh("dvc", "repro", "--single-item", "--pull", "--allow-missing", "prepare", "convert",
+                    step="conversions")
+            self.push("prepare", "convert", "--records", "prepare", "convert")
         finally:
             self.coordinator.release.remote(self.name)
         self.sh("dvc", "repro", "--pull", "--allow-missing", "report", step="pipeline")
-        self.push("--with-deps", "report", records=("benchmark",))
+        self.push("report", "--with-deps", "--records", "benchmark")
         self.say("fleet: done")
         return _gathered(self.root)
 

@@ -162,7 +162,7 @@ def test_wrong_hardware_is_refused_before_measuring(fleet):
     d = doc["targets"]["d"]
     assert d["status"] == "failed" and d["node"] == node_ids["A"]
     assert d["reason"].startswith("refused: wrong hardware") and "H100" in d["reason"], d["reason"]
-    assert d["stages_run"] == ["probe"] and d["mar"] is None
+    assert d["stages_run"] == ["probe"] and d["stages_restored"] == [] and d["mar"] is None
 
 
 def test_a_target_failing_mid_run_keeps_its_log_and_stops_no_other(fleet):
