@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     before = unlinked(outs)
     relinked = False
     if before and not args.no_relink:
-        subprocess.run(["dvc", "checkout", "--relink", "-q"], cwd=repo, check=True)
+        beside = Path(sys.executable).parent / "dvc"        # the venv's DVC, also when it is not on PATH
+        subprocess.run([str(beside) if beside.exists() else "dvc", "checkout", "--relink", "-q"], cwd=repo, check=True)
         relinked = True
     after = unlinked(outs) if relinked else before
 
