@@ -28,7 +28,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from pipeline.core.params import REPO_ROOT, parse_params  # noqa: E402
 from pipeline.fleet.driver import run_fleet  # noqa: E402
-from pipeline.fleet.fleet_report import write_report  # noqa: E402
+from pipeline.fleet.fleet_report import table, write_report  # noqa: E402
 from pipeline.fleet.gather import write_fleet  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -110,7 +110,7 @@ def fleet(cluster):
         os.environ.pop("RAY_ADDRESS") if old is None else os.environ.__setitem__("RAY_ADDRESS", old)
     doc = write_fleet(repo, results)
     write_report(repo, doc)
-    print("\n".join(lines))
+    print("\n".join(lines) + "\n" + table(doc))            # shown with -s: the run as the console had it
     yield repo, doc, node_ids, lines
     shutil.rmtree(root, ignore_errors=True)
 
