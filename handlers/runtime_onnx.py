@@ -1,7 +1,7 @@
 """ONNX Runtime family: numpy + onnxruntime only (never torch — it would add ~1.3 s to every cold start).
 
 The graph is optimised once at build time (pipeline/build/variants/onnx.py saves ORT's optimised model),
-so sessions load it with graph optimisation disabled: a faster start (measured.md).
+so sessions load it with graph optimisation disabled: a faster start (docs/handtuned.md).
 
 Big models keep their tensors in external data files (variant.json "external_data", e.g.
 model.onnx.data). ONNX Runtime resolves those relative to the model file, so such a variant is

@@ -337,7 +337,7 @@ class TextEmbeddingAdapter(TaskAdapter):
         rng = random.Random(seed)
         requests = []
         for k in range(n):
-            # 5–15 words: the short-sentence traffic of measured.md's reference load; lengths vary,
+            # 5–15 words: the short-sentence traffic of the reference load (docs/handtuned.md); lengths vary,
             # so batches need padding.
             words = rng.randint(5, 15)
             sentence = " ".join(rng.choice(_WORDS) for _ in range(words)).capitalize() + "."

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             base = build_baseline(params, variants_dir=VARIANTS_DIR, baseline_dir=BASELINE_DIR)
             log.info("wrote baseline %s + %s in %.1f s", base.path, BASELINE_DIR / "config.properties",
                      time.perf_counter() - t1)
-        # measured.md's hand-tuned ONNX setup, built here so serve_check measures it beside the winner.
+        # The hand-tuned ONNX setup (docs/handtuned.md), built here so serve_check measures it beside the winner.
         t1 = time.perf_counter()
         ref = build_handtuned(params, selection_path=SELECTION_JSON, variants_dir=VARIANTS_DIR,
                               derivation_dir=SERVE_DIR, env_path=ENV_JSON, out_dir=HANDTUNED_DIR)

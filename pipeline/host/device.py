@@ -51,7 +51,7 @@ def serving_threads(device: str, requested: int) -> Optional[int]:
     """Intra-op threads a benchmark uses: `requested` when > 0, else what one serving worker gets.
 
     CPU: one worker per core with 1 thread each (2 workers × 1 thread beat 1 × 2 on MiniLM, see
-    measured.md), so 1. CUDA: None — leave the runtime's default, the GPU does the work.
+    docs/handtuned.md), so 1. CUDA: None — leave the runtime's default, the GPU does the work.
     """
     if requested < 0:
         raise DeviceError(f"benchmark.threads = {requested} is invalid; use 0 (as one serving worker) or a positive count")

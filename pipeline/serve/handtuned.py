@@ -1,4 +1,4 @@
-"""The hand-tuned reference of shared/reference/measured.md, built by the pipeline so serve_check can
+"""The hand-tuned reference of docs/handtuned.md, built by the pipeline so serve_check can
 measure it in the same run, on the same host, as the winner.
 
 It is what a careful engineer sets up by hand: the ONNX fp32 export, graph optimised at build time

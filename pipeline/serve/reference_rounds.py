@@ -1,6 +1,6 @@
 """The winner against the references (hand-tuned, naive baseline) in interleaved rounds.
 
-On a shared host the speed drifts 10–25% for minutes at a time (measured.md), so setups are only
+On a shared host the speed drifts 10–25% for minutes at a time (docs/handtuned.md), so setups are only
 comparable inside one interleaved run: each round serves every setup once, in a rotated order,
 each in a fresh TorchServe (READY measured every time) under the same load. Round 1 may reuse the
 full checks serve_check already ran (winner, baseline); later rounds are load-only.

@@ -15,7 +15,7 @@ fused graph gives the export's outputs. The graph is then optimised by ONNX Runt
 EXTENDED level (operator fusions; not the ALL level, whose NCHWc layout rewrites tie the file to one
 CPU's instruction set) for the target device's execution provider, and that optimised graph is the
 artifact: sessions load it with
-optimisation off (faster start, measured.md). fp16: onnxruntime's float16 converter with
+optimisation off (faster start, docs/handtuned.md). fp16: onnxruntime's float16 converter with
 `keep_io_types=True`, so the artifact still takes and returns float32.
 On CPU a variant with external data also ships ORT's pre-packed weight layout for this host
 (`conversion.onnx_prepack`, pipeline/build/variants/prepack.py): sessions map it instead of packing
