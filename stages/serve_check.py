@@ -19,6 +19,7 @@ from pipeline.core.params import ParamsError, as_dict, load_params
 from pipeline.core.paths import (BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR,
                                  benchmark_json)
 from pipeline.core.numbers import rounded
+from pipeline.serve.load import LOAD_KIND
 from pipeline.serve.ceiling import CEILING, ceiling_spec, model_alone_rps, served_bound, served_variant
 from pipeline.serve.http_cases import load_http_cases, tolerance_from_mar
 from pipeline.serve.serve_check import ServerSpec, serve_check
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     floor = measure_server_floor(workers=workers_in_derivation(derivation), config=config, env=env)
     record = serve_check(forms[form], baseline, cases, task=params.model.task,
                          atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,
-                         concurrency=sc.concurrency, time_cap_s=sc.time_cap_s, alternate=alternate,
+                         concurrency=sc.concurrency, time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s, alternate=alternate,
                          store_form=form, startup=startup_evidence(derivation))
     if record["ok"]:
         record["references"] = references(params, forms[form], baseline, record, cases)
@@ -126,7 +127,7 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dic
     setups = interleaved_rounds(specs, cases, task=params.model.task, rounds=sc.rounds, requests=sc.requests,
                                 concurrency=sc.concurrency, time_cap_s=sc.time_cap_s,
                                 slo_ms=params.serve.latency_slo_ms, first_round=first,
-                                decided_band=sc.decided_band)
+                                decided_band=sc.decided_band, warmup_s=sc.warmup_s)
     out = {"rounds": sc.rounds, "decided_band": sc.decided_band,
            "rounds_served": {n: len(s_["rounds"]) for n, s_ in setups.items()}, "concurrency": sc.concurrency, "latency_slo_ms": params.serve.latency_slo_ms,
            "handtuned_setup": handtuned,
@@ -134,7 +135,7 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dic
            "ratios_handtuned": ratios(setups["winner"], setups["handtuned"]) if "handtuned" in setups else None,
            "ratios_baseline": ratios(setups["winner"], setups["baseline"]) if "baseline" in setups else None}
     out["load"] = {"clients": sc.concurrency, "connections": "keep-alive, one per client (as production clients hold them)",
-                   "requests": sc.requests, "time_cap_s": sc.time_cap_s,
+                   "client": LOAD_KIND, "warmup_s": sc.warmup_s, "requests": sc.requests, "time_cap_s": sc.time_cap_s,
                    "bodies": "the golden HTTP cases, cycled (the task's example requests)"}
     out["bound"] = bound_of(name, setups)
     if out["ratios_handtuned"]:

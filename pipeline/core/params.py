@@ -238,11 +238,14 @@ class TuneParams:
 
 @dataclass(frozen=True)
 class ServeCheckParams:
-    requests: int = 320
+    requests: int = 3000                       # measured requests per setup and round (after the warm-up)...
     concurrency: int = 16
-    # No new request after this many seconds per setup and round: the naive baseline of a GB-sized
-    # model answers a few requests a second, and a capped window gives its rate as well as all 320.
-    time_cap_s: float = 30.0
+    # ...or no new request after this many seconds: the naive baseline of a GB-sized model answers a
+    # few requests a second, and a capped window gives its rate as well as all of them.
+    time_cap_s: float = 10.0
+    # Seconds of the same load before the measured one, on every server start: a fresh TorchServe
+    # answers its first thousands of requests at a fraction of its rate (JIT of the frontend).
+    warmup_s: float = 2.0
     baseline: bool = True
     handtuned: bool = True                     # also serve the hand-tuned ONNX reference (pipeline/serve/handtuned.py)
     rounds: int = 2                            # winner, hand-tuned and baseline served in interleaved rounds...

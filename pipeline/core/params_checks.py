@@ -149,6 +149,10 @@ def check_serve_check(p: Params) -> None:
     sc = p.serve_check
     _bounds("serve_check", (
         ("rounds", sc.rounds, sc.rounds >= 1, "an integer >= 1"),
+        ("requests", sc.requests, sc.requests >= 1, "an integer >= 1"),
+        ("concurrency", sc.concurrency, sc.concurrency >= 1, "an integer >= 1 (keep-alive clients)"),
+        ("time_cap_s", sc.time_cap_s, sc.time_cap_s > 0, "seconds > 0"),
+        ("warmup_s", sc.warmup_s, sc.warmup_s >= 0, "seconds >= 0 (0: no warm-up)"),
         ("decided_band", sc.decided_band, sc.decided_band >= 0,
          "a ratio >= 0, e.g. 0.25 (0: every round for every setup)")))
 

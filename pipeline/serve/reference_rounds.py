@@ -74,7 +74,8 @@ def undecided(per: dict[str, list[dict]], band: float, winner: str = "winner") -
 
 def interleaved_rounds(specs: dict[str, ServerSpec], cases: list[HttpCase], *, task: str, rounds: int,
                        requests: int, concurrency: int, time_cap_s: float, slo_ms: float,
-                       first_round: Optional[dict[str, dict]] = None, decided_band: float = 0.0) -> dict[str, Any]:
+                       first_round: Optional[dict[str, dict]] = None, decided_band: float = 0.0,
+                       warmup_s: float = 0.0) -> dict[str, Any]:
     """{setup: summary} over up to `rounds` rounds (see `undecided` for `decided_band`). first_round:
     check_server results already measured in this run (they count as round 1; the setups missing
     from it are served after them)."""
@@ -84,7 +85,8 @@ def interleaved_rounds(specs: dict[str, ServerSpec], cases: list[HttpCase], *, t
 
     def serve(name: str, round_no: int) -> None:
         r = check_server(specs[name], cases, task=task, atol=0.0, rtol=0.0, requests=requests,
-                         concurrency=concurrency, time_cap_s=time_cap_s, bad_inputs=False, parity=False)
+                         concurrency=concurrency, time_cap_s=time_cap_s, bad_inputs=False, parity=False,
+                         warmup_s=warmup_s)
         per[name].append(_figures(r, round_no))
         f = per[name][-1]
         log.info("round %d %-10s READY %s s, %s req/s, p99 %s ms", round_no, name, rounded(f["ready_s"], 2),

@@ -39,9 +39,11 @@ class ServerSpec:
 # --------------------------------------------------------------------------- one server
 def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: float, rtol: float,
                  gate: Optional[dict] = None, requests: int, concurrency: int, time_cap_s: float, bad_inputs: bool = True,
-                 parity: bool = True, workdir: Optional[Path] = None) -> dict:
+                 parity: bool = True, workdir: Optional[Path] = None, warmup_s: float = 0.0) -> dict:
     """Start `spec` in isolation, run every check, stop it (always). Never raises for a check that
-    fails: the figures say what failed (`ready: false` + `error` when it never became READY)."""
+    fails: the figures say what failed (`ready: false` + `error` when it never became READY).
+    warmup_s: seconds of the same load before the measured one, not counted: a fresh server's first
+    thousands of requests run through the JVM's interpreter and the model's first calls."""
     ts = TorchServe(spec.config, spec.model_store, spec.name, models=spec.models, workdir=workdir,
                     env=spec.env)
     out: dict[str, Any] = {"model": spec.name, "mar": str(spec.model_store / (spec.mar or spec.name + ".mar")),
@@ -59,6 +61,8 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
                 out["bad_inputs"] = check_bad_inputs(ts, bad, cases, atol, rtol, gate=gate)
                 log.info("%s bad inputs: %s", spec.name,
                          {c["id"]: c["status"] for c in out["bad_inputs"]["cases"]})
+            if warmup_s > 0:
+                out["warmup"] = _warmup(ts, cases, concurrency, warmup_s)
             _record_load(ts, spec, run_load(ts, cases, requests, concurrency, time_cap_s), out)
     except ModelNotReady as e:
         out.update(ready=False, reason=e.reason, error=str(e), startup_timeout_s=e.startup_timeout_s,
@@ -68,6 +72,12 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
     else:
         ts.cleanup()
     return out
+
+
+def _warmup(ts: TorchServe, cases: list[HttpCase], concurrency: int, seconds: float) -> dict:
+    w = run_load(ts, cases, 10 ** 9, concurrency, seconds)
+    return {"seconds": seconds, "requests_ok": w.requests_ok, "throughput_rps": w.throughput_rps,
+            "errors_5xx": w.errors_5xx, "lost": w.lost}
 
 
 def _record_ready(ts: TorchServe, spec: ServerSpec, first_case: HttpCase, out: dict) -> None:
@@ -130,7 +140,7 @@ def _settings(desc: dict) -> dict:
 def serve_check(winner: ServerSpec, baseline: Optional[ServerSpec], cases: list[HttpCase], *,
                 task: str, atol: float, rtol: float, gate: Optional[dict] = None, requests: int, concurrency: int,
                 time_cap_s: float, alternate: Optional[ServerSpec] = None,
-                store_form: str = "mar", startup: Optional[dict] = None) -> dict:
+                store_form: str = "mar", startup: Optional[dict] = None, warmup_s: float = 0.0) -> dict:
     """The metrics/serve_check.json record: the winner's figures at the top level, the baseline's
     under `baseline`, `ratios` winner/baseline, and `ok` + `failures` (why the stage must fail).
 
@@ -138,7 +148,7 @@ def serve_check(winner: ServerSpec, baseline: Optional[ServerSpec], cases: list[
     `store_forms` records READY of both. startup: `startup_check.startup_evidence` of the
     derivation, to say what a worker killed at its startupTimeout needed."""
     w = check_server(winner, cases, task=task, atol=atol, rtol=rtol, gate=gate, requests=requests,
-                     concurrency=concurrency, time_cap_s=time_cap_s)
+                     concurrency=concurrency, time_cap_s=time_cap_s, warmup_s=warmup_s)
     if w.get("reason") == "startup_timeout":
         w["startup_diagnosis"] = diagnose_missed_startup(w.get("startup_timeout_s"), w.get("waited_s"), startup)
     forms = None
@@ -153,7 +163,8 @@ def serve_check(winner: ServerSpec, baseline: Optional[ServerSpec], cases: list[
         # no parity pass (the baseline is the reference model itself; at its speed it would double
         # the stage's time).
         b = check_server(baseline, cases, task=task, atol=atol, rtol=rtol, requests=requests,
-                         concurrency=concurrency, time_cap_s=time_cap_s, bad_inputs=False, parity=False)
+                         concurrency=concurrency, time_cap_s=time_cap_s, bad_inputs=False, parity=False,
+                         warmup_s=warmup_s)
     record = {**_flat(w), "winner": w, "baseline": _flat(b) if b else None,
               "baseline_detail": b, "ratios": _ratios(w, b), "store_form": store_form, "store_forms": forms,
               "startup_diagnosis": w.get("startup_diagnosis")}

@@ -44,6 +44,7 @@ from typing import Callable, Optional
 from pipeline.serve.candidates import FRONTEND_CANDIDATES, OperatingCandidate, frontend_candidates
 from pipeline.serve.decision import CandidateResult, decide, frontend_worth_tuning, settle, slo_verdict
 from pipeline.serve.http_cases import HttpCase
+from pipeline.serve.load import LOAD_KIND
 from pipeline.serve.tuner import ServedModel, Tuner
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
     return {
         "chosen": final.candidate.settings(), "chosen_name": final.candidate.name,
         "replaced_offline": final.candidate.key()[:4] != offline.candidate.key()[:4],
-        "objective": objective, "settings": dataclasses.asdict(s),
+        "objective": objective, "settings": dataclasses.asdict(s), "load": LOAD_KIND,
         "candidates": [r.summary(s.latency_slo_ms) for r in phase1],
         "decision_steps": d1["steps"],
         "frontend": ({"candidates": [r.summary(s.latency_slo_ms) for r in phase2], "decision_steps": d2["steps"],

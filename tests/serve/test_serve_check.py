@@ -17,7 +17,7 @@ import pytest
 from pipeline.decide.properties import write_config_properties
 from pipeline.serve.bad_input import bad_input_cases, check_bad_inputs
 from pipeline.serve.http_cases import HttpCase, load_http_cases, tolerance_from_mar
-from pipeline.serve.load import run_load
+from pipeline.serve.load import ResponseParser, request_bytes, run_load
 from pipeline.serve.parity import check_parity, compare_response
 from pipeline.serve.torchserve import TorchServe
 from tests.serve.test_torchserve import DERIVED, assert_nothing_left, build_mar
@@ -52,6 +52,34 @@ def test_compare_top_k_tolerates_swapped_near_ties_not_a_new_winner():
     off = json.loads(json.dumps(exp))
     off["top_k"][0]["probability"] = 0.5
     assert not compare_response(off, exp, 1e-3, 0)[0]
+
+
+def test_response_parser_lengths_chunks_and_split_reads():
+    p = ResponseParser()
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nx-request-id: abc\r\n\r\n"
+    stream = head + b"hello" + b"HTTP/1.1 413 Request Entity Too Large\r\ncontent-length: 2\r\nconnection: close\r\n\r\nno"
+    # Byte by byte: nothing is complete before its last body byte.
+    done = [p.feed(stream[i:i + 1]) for i in range(len(head) + 5)]
+    assert done.index(True) == len(head) + 4 and not any(done[:-1])
+    status, headers, body = p.take(keep_body=True)
+    assert (status, headers["x-request-id"], body) == (200, "abc", b"hello")
+    assert p.feed(stream[len(head) + 5:])                       # the next response, in one read
+    assert p.take(keep_body=False)[:2] == (413, {"content-length": "2", "connection": "close"})
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+    assert not p.feed(chunked[:-3]) and p.feed(chunked[-3:])
+    assert p.take(keep_body=True)[0] == 200 and p.buf == bytearray()
+    with pytest.raises(ValueError, match="not an HTTP response"):
+        ResponseParser().feed(b"SSH-2.0-OpenSSH\r\n\r\n")
+
+
+def test_request_bytes_carry_token_type_and_exact_length():
+    case = HttpCase("c", "application/json", b'{"a": "\xc3\xa9"}')
+    wire = request_bytes("/predictions/m", "tok", case)
+    head, body = wire.split(b"\r\n\r\n", 1)
+    assert body == case.body and head.startswith(b"POST /predictions/m HTTP/1.1\r\n")
+    assert f"Content-Length: {len(case.body)}".encode() in head and b"Authorization: Bearer tok" in head
+    assert b"Content-Type: application/json" in head
+    assert b"Authorization" not in request_bytes("/p", None, HttpCase("n", None, b"")).split(b"\r\n\r\n")[0]
 
 
 def test_bad_input_cases_per_task():
@@ -150,6 +178,20 @@ def test_bounded_load_answers_everything_and_sees_batches(served):
     sizes = {int(k): v for k, v in r.batch_sizes_seen.items()}
     assert sum(k * v for k, v in sizes.items()) == 48 and max(sizes) <= 4
     assert r.mean_batch_size > 1       # 6 clients against a 50 ms batch window
+
+
+@pytest.mark.torchserve
+@needs_java
+def test_load_counts_4xx_and_goes_on_after_the_server_closes_the_connection(served):
+    """TorchServe answers a bad request 4xx and closes the connection: the client reconnects and the
+    requests after it are answered, none counted lost."""
+    mixed = CASES[:2] + [HttpCase("bad", "application/json", b"not json")]
+    r = run_load(served, mixed, requests=30, concurrency=3, time_cap_s=120)
+    assert r.requests_sent == r.requests_answered == 30 and r.lost == 0 and r.errors_5xx == 0
+    assert r.errors_4xx == 10 and r.requests_ok == 20
+    assert all(400 <= f["status"] < 500 and f["error"] for f in r.failures)
+    assert 20 <= sum(int(k) * v for k, v in r.batch_sizes_seen.items()) <= 30   # bad ones share batches
+    assert r.client_cpu_s is not None and 0 <= r.client_cpu_s <= r.wall_s
 
 
 @pytest.mark.torchserve
