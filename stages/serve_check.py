@@ -17,7 +17,7 @@ from typing import Optional
 
 from pipeline.core.params import ParamsError, as_dict, load_params
 from pipeline.core.paths import (BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR,
-                                 benchmark_json)
+                                 benchmark_json, variant_dir)
 from pipeline.core.numbers import rounded
 from pipeline.serve.load import LOAD_KIND
 from pipeline.serve.ceiling import CEILING, ceiling_spec, model_alone_rps, served_bound, served_variant
@@ -155,11 +155,34 @@ def bound_of(name: str, setups: dict) -> dict:
     variant = served_variant(MODEL_STORE, name)
     bench_path = benchmark_json(variant) if variant else None
     bench = json.loads(bench_path.read_text()) if bench_path and bench_path.is_file() else {}
-    model = model_alone_rps(bench, int(batch), workers) if batch else None
+    benchmarked = model_alone_rps(bench, int(batch), workers) if batch else None
+    measured = measured_model_alone(variant, int(batch), workers) if batch and variant else None
+    model = measured if measured and measured.get("value") else benchmarked
     ceiling = (setups.get(CEILING) or {}).get("throughput_rps")
     out = served_bound((setups.get("winner") or {}).get("throughput_rps"), ceiling, model)
     out["variant"] = variant
+    out["model_alone_benchmark"] = benchmarked
     return out
+
+
+def measured_model_alone(variant: str, batch: int, workers: int) -> Optional[dict]:
+    """The served variant alone on the served requests, now (pipeline/serve/model_alone.py), run as
+    model-config.yaml says the workers run it."""
+    import yaml
+    from pipeline.serve.model_alone import measure
+    path = SERVE_DIR / "model-config.yaml"
+    handler = ((yaml.safe_load(path.read_text()) or {}).get("handler") or {}) if path.is_file() else {}
+    threads = handler.get("threads") or None
+    device = handler.get("device") if handler.get("device") in ("cpu", "cuda") else "cpu"
+    r = measure(variant_dir(variant), GOLDEN_DIR / "http_cases.json", batch_size=batch,
+                batch_rows=int(handler.get("batch_rows") or batch), workers=workers, threads=threads, device=device)
+    if not r.get("ok"):
+        log.warning("model alone not measured in this run (%s): the bound uses the benchmark's figure", r.get("errors"))
+        return None
+    return {"value": r["requests_per_s"], "rows_per_s": r["rows_per_s"], "batch_size": batch, "workers": workers,
+            "threads_per_process": threads, "measured": r,
+            "formula": "the served variant in `workers` processes at once on the served requests, "
+                       "in server batches of batch_size requests, this run (requests/s)"}
 
 
 def workers_in_derivation(derivation: Optional[dict]) -> int:

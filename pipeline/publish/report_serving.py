@@ -114,13 +114,21 @@ def bound_blocks(inputs: ReportInputs) -> list[Block]:
     b: list[Block] = []
     if bound.get("bound_rps"):
         alone = bound.get("model_alone") or {}
+        if alone.get("measured"):
+            how = (f"the served variant run alone in this run, {fmt(alone.get('workers'))} worker process(es) at once "
+                   f"on the served requests in server batches of {fmt(alone.get('batch_size'))}")
+        else:
+            how = (f"{fmt(alone.get('workers'))} worker(s) x the benchmark's {fmt(alone.get('per_process_sps'))} "
+                   f"samples/s at batch {fmt(alone.get('batch_size'))}")
+        bench = bound.get("model_alone_benchmark") or {}
+        bench_note = (f" (the benchmark stage's figure, synthetic feeds at another hour: {fmt(bench.get('value'))})"
+                      if alone.get("measured") and bench.get("value") else "")
         b += [Heading("Against the host's bound", 3),
               Para(f"Served {fmt(bound.get('served_rps'))} req/s of a bound of {fmt(bound.get('bound_rps'))} "
                    f"= **{fmt(bound.get('served_vs_bound'))}**, where bound = {bound.get('formula')}: the ceiling is a "
                    f"do-nothing handler served exactly as the model is, in the same rounds and load "
-                   f"({fmt(bound.get('ceiling_rps'))} req/s); the model alone is {fmt(alone.get('workers'))} worker(s) x "
-                   f"the benchmark's {fmt(alone.get('per_process_sps'))} samples/s at batch {fmt(alone.get('batch_size'))} "
-                   f"({fmt(bound.get('model_alone_rps'))}).")]
+                   f"({fmt(bound.get('ceiling_rps'))} req/s); the model alone is {how} "
+                   f"({fmt(bound.get('model_alone_rps'))} req/s){bench_note}.")]
     if profile.get("requests"):
         b += [Para(f"Where a request's time goes inside the workers (their own timers, {profile['requests']} requests "
                    f"in {profile.get('batches')} batches under the check's load), microseconds per request:"),

@@ -69,6 +69,7 @@ def test_stage_serves_the_ceiling_beside_the_winner(tmp_path, monkeypatch, tenso
                         ("SERVE_CHECK_JSON", out)):
         monkeypatch.setattr(stage, name, value)
     monkeypatch.setattr(stage, "benchmark_json", lambda v: bench)
+    monkeypatch.setattr(stage, "variant_dir", lambda v: art / "variants" / v)
 
     rc = stage.main([])
     rec = json.loads(out.read_text())
@@ -83,7 +84,12 @@ def test_stage_serves_the_ceiling_beside_the_winner(tmp_path, monkeypatch, tenso
     b = refs["bound"]
     assert b["variant"] == variant
     assert b["ceiling_rps"] == round(ceiling["throughput_rps"], 2) and b["served_rps"] == round(winner["throughput_rps"], 2)
-    assert b["model_alone_rps"] == 800.0                                    # batch 4 x 1 worker
-    assert b["bound_rps"] == pytest.approx(1 / (1 / ceiling["throughput_rps"] + 1 / 800.0), abs=0.01)
+    # The model alone measured now, on the served requests, in the workers' layout (1 worker, batch 4);
+    # the benchmark's figure kept beside it.
+    alone = b["model_alone"]
+    assert alone["workers"] == 1 and alone["batch_size"] == 4 and alone["measured"]["ok"]
+    assert b["model_alone_rps"] == round(alone["measured"]["requests_per_s"], 2) > 0
+    assert b["model_alone_benchmark"]["value"] == 800.0                     # batch 4 x 1 worker
+    assert b["bound_rps"] == pytest.approx(1 / (1 / ceiling["throughput_rps"] + 1 / alone["value"]), abs=0.01)
     assert b["served_vs_bound"] == pytest.approx(winner["throughput_rps"] / b["bound_rps"], abs=2e-3)
     assert refs["load"]["clients"] == 4 and "keep-alive" in refs["load"]["connections"]
