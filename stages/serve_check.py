@@ -20,7 +20,8 @@ from pipeline.core.paths import (BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_
                                  benchmark_json, variant_dir)
 from pipeline.core.numbers import rounded
 from pipeline.serve.load import LOAD_KIND
-from pipeline.serve.ceiling import CEILING, ceiling_spec, model_alone_rps, served_bound, served_variant
+from pipeline.serve.ceiling import (CEILING, CEILING_EMPTY, ceiling_spec, model_alone_rps, served_bound,
+                                    served_size_answer, served_variant)
 from pipeline.serve.http_cases import load_http_cases, tolerance_from_mar
 from pipeline.serve.serve_check import ServerSpec, serve_check
 from pipeline.serve.server_floor import measure_server_floor, readiness_vs_floor
@@ -123,7 +124,9 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dic
         specs["baseline"], first["baseline"] = baseline, record["baseline_detail"]
     # The server's own ceiling: a do-nothing handler served as the model is, in the same rounds.
     if (SERVE_DIR / "model-config.yaml").is_file():
-        specs[CEILING] = ceiling_spec(name, SERVE_DIR / "model-config.yaml", winner.config, env=winner.env)
+        specs[CEILING] = ceiling_spec(name, SERVE_DIR / "model-config.yaml", winner.config, env=winner.env,
+                                      answer=served_size_answer([c.expected for c in cases]))
+        specs[CEILING_EMPTY] = ceiling_spec(name, SERVE_DIR / "model-config.yaml", winner.config, env=winner.env)
     setups = interleaved_rounds(specs, cases, task=params.model.task, rounds=sc.rounds, requests=sc.requests,
                                 concurrency=sc.concurrency, time_cap_s=sc.time_cap_s,
                                 slo_ms=params.serve.latency_slo_ms, first_round=first,
@@ -137,7 +140,7 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dic
     out["load"] = {"clients": sc.concurrency, "connections": "keep-alive, one per client (as production clients hold them)",
                    "client": LOAD_KIND, "warmup_s": sc.warmup_s, "requests": sc.requests, "time_cap_s": sc.time_cap_s,
                    "bodies": "the golden HTTP cases, cycled (the task's example requests)"}
-    out["bound"] = bound_of(name, setups)
+    out["bound"] = bound_of(name, setups, cases)
     if out["ratios_handtuned"]:
         log.info("winner / hand-tuned over %d interleaved rounds: %s", sc.rounds, out["ratios_handtuned"])
     b = out["bound"]
@@ -146,7 +149,7 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dic
     return out
 
 
-def bound_of(name: str, setups: dict) -> dict:
+def bound_of(name: str, setups: dict, cases: list) -> dict:
     """Served vs what the server and the model together permit (pipeline/serve/ceiling.py)."""
     derivation_path = SERVE_DIR / "derivation.json"
     derivation = json.loads(derivation_path.read_text()) if derivation_path.is_file() else {}
@@ -161,6 +164,8 @@ def bound_of(name: str, setups: dict) -> dict:
     ceiling = (setups.get(CEILING) or {}).get("throughput_rps")
     out = served_bound((setups.get("winner") or {}).get("throughput_rps"), ceiling, model)
     out["variant"] = variant
+    out["ceiling_answer_bytes"] = len(served_size_answer([c.expected for c in cases])) if cases else None
+    out["ceiling_empty_rps"] = rounded((setups.get(CEILING_EMPTY) or {}).get("throughput_rps"), 2)
     out["model_alone_benchmark"] = benchmarked
     return out
 

@@ -126,8 +126,10 @@ def bound_blocks(inputs: ReportInputs) -> list[Block]:
         b += [Heading("Against the host's bound", 3),
               Para(f"Served {fmt(bound.get('served_rps'))} req/s of a bound of {fmt(bound.get('bound_rps'))} "
                    f"= **{fmt(bound.get('served_vs_bound'))}**, where bound = {bound.get('formula')}: the ceiling is a "
-                   f"do-nothing handler served exactly as the model is, in the same rounds and load "
-                   f"({fmt(bound.get('ceiling_rps'))} req/s); the model alone is {how} "
+                   f"do-nothing handler served exactly as the model is, in the same rounds and load, answering "
+                   f"{fmt(bound.get('ceiling_answer_bytes'))} bytes per request as the model's answers do "
+                   f"({fmt(bound.get('ceiling_rps'))} req/s; {fmt(bound.get('ceiling_empty_rps'))} with empty answers); "
+                   f"the model alone is {how} "
                    f"({fmt(bound.get('model_alone_rps'))} req/s){bench_note}.")]
     if profile.get("requests"):
         b += [Para(f"Where a request's time goes inside the workers (their own timers, {profile['requests']} requests "

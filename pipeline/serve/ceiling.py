@@ -2,7 +2,10 @@
 
 The ceiling is a do-nothing handler served exactly as the model is (the same config.properties, the
 model's own model-config.yaml: batch size, max batch delay, workers; the same name, so the same URL)
-under the same load. The model alone is the benchmark's steady-state rate at the served batch size,
+under the same load, answering every request with a canned answer of the served answer's size (an
+embedding is ~8 KB of JSON): carrying the answer's bytes through the worker's socket, the frontend and
+the connection is the server's work, not the model's. The empty-answer ceiling is measured beside it
+(`ceiling_empty`) to show what carrying the bytes costs. The model alone is the benchmark's steady-state rate at the served batch size,
 one process per worker. When the server's per-request work and the model's share the same cores,
 their costs add, so the served rate cannot pass
 
@@ -22,19 +25,59 @@ from pipeline.serve.server_floor import NOOP_HANDLER
 from pipeline.serve.serve_check import ServerSpec
 
 CEILING = "ceiling"
+CEILING_EMPTY = "ceiling_empty"
+
+# Answers every request with the bytes of answer.json, as JSON, like the serving handler does.
+CANNED_HANDLER = '''
+import os
+
+
+class CannedHandler:
+    """Loads nothing, answers every request with the same bytes: a served answer's size, none of its work."""
+
+    def initialize(self, context):
+        with open(os.path.join(context.system_properties.get("model_dir"), "answer.json"), "rb") as f:
+            self.answer = f.read()
+        self.initialized = True
+
+    def handle(self, data, context):
+        for i in range(len(data)):
+            context.set_response_content_type(i, "application/json")
+        return [self.answer for _ in data]
+'''
 
 
 def ceiling_spec(name: str, model_config: Path, config: Optional[Path], env: Optional[dict] = None,
-                 workdir: Optional[Path] = None) -> ServerSpec:
-    """A .mar named `name` whose handler does nothing, packed with the served model-config.yaml."""
+                 workdir: Optional[Path] = None, answer: Optional[bytes] = None) -> ServerSpec:
+    """A .mar named `name` whose handler does nothing, packed with the served model-config.yaml; with
+    `answer`, it answers every request with those bytes, else with an empty object."""
     from pipeline.serve.archive import package
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="server-ceiling-"))
     src, store = root / "src", root / "store"
     src.mkdir(parents=True, exist_ok=True)
-    handler = src / "noop_handler.py"
-    handler.write_text(NOOP_HANDLER)
-    package(name, handler, {}, store, config_file=model_config)
+    handler = src / ("canned_handler.py" if answer is not None else "noop_handler.py")
+    handler.write_text(CANNED_HANDLER if answer is not None else NOOP_HANDLER)
+    package(name, handler, {"answer.json": answer} if answer is not None else {}, store, config_file=model_config)
     return ServerSpec(name, store, config, env=env)
+
+
+def served_size_answer(expected: list) -> bytes:
+    """A served-size answer: the golden answer of median size, serialised as the handler serialises
+    (handlers/encode.py; float lists as float32, as the model's outputs are)."""
+    import numpy as np
+
+    from handlers.encode import json_bytes
+
+    def as_served(x):
+        if isinstance(x, dict):
+            return {k: as_served(v) for k, v in x.items()}
+        if isinstance(x, list) and x and all(isinstance(v, float) for v in x):
+            return np.asarray(x, dtype=np.float32)
+        if isinstance(x, list):
+            return [as_served(v) for v in x]
+        return x
+    answers = sorted((json_bytes(as_served(e)) for e in expected if e is not None), key=len)
+    return answers[len(answers) // 2] if answers else b"{}"
 
 
 def served_variant(model_store: Path, name: str) -> Optional[str]:

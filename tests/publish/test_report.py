@@ -277,7 +277,8 @@ def test_page_shows_served_against_the_bound_and_the_held_back_int8():
     inputs = _served_inputs(90.0)
     bound = {"served_rps": 398.4, "ceiling_rps": 694.17, "model_alone_rps": 1355.96, "bound_rps": 459.12,
              "served_vs_bound": 0.868, "formula": "1 / (1 / ceiling + 1 / model_alone)",
-             "model_alone": {"workers": 2, "per_process_sps": 677.98, "batch_size": 8}}
+             "model_alone": {"workers": 2, "per_process_sps": 677.98, "batch_size": 8},
+             "ceiling_answer_bytes": 4101, "ceiling_empty_rps": 801.5}
     inputs.serve_check["references"]["bound"] = bound
     inputs.serve_check["references"]["setups"]["winner"].update({"throughput_rps": 398.4, "ready_s": 2.7})
     inputs.serve_check["handler_profile"] = {"requests": 491, "batches": 180, "decode_us": 99.9, "collate_us": 13.4,
@@ -287,7 +288,14 @@ def test_page_shows_served_against_the_bound_and_the_held_back_int8():
         "figures": {"throughput_sps": 520.5, "batch_size": 8, "request_p99_ms": 24.7,
                     "task_gate": {"embedding": {"min_cosine": 0.998, "recall_at_k": 0.9651}}}}
     md = render_markdown(build_blocks(inputs, summary_metrics(inputs), {}), Path("."))
-    assert "Served 398.4 req/s of a bound of 459.1 = **0.868**" in md and "(694.2 req/s)" in md
+    assert "Served 398.4 req/s of a bound of 459.1 = **0.868**" in md and "(694.2 req/s; 801.5 with empty" in md
+    assert "answering 4101 bytes per request" in md and "the benchmark's 678 samples/s at batch 8" in md
+    # The model alone measured in the run: said so, the benchmark's figure beside it.
+    bound["model_alone"] = {"workers": 2, "batch_size": 8, "value": 1555.1, "measured": {"ok": True}}
+    bound["model_alone_benchmark"] = {"value": 1355.96}
+    md = render_markdown(build_blocks(inputs, summary_metrics(inputs), {}), Path("."))
+    assert "run alone in this run, 2 worker process(es) at once on the served requests in server batches of 8" in md
+    assert "another hour: 1356" in md
     assert "| model | 4225 |" in md and "| respond | 54.2 |" in md and "491 requests in 180 batches" in md
     assert "`onnx-int8-dynamic` would give 520.5 samples/s" in md and "set `serve.allow_quantized: true`" in md
     assert "recall_at_k 0.9651" in md

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from pipeline.serve.ceiling import model_alone_rps, served_bound
+from pipeline.serve.ceiling import model_alone_rps, served_bound, served_size_answer
 from tests.serve.test_torchserve import DERIVED
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
@@ -23,6 +23,14 @@ def test_bound_adds_the_server_and_the_model_costs():
     assert b["bound_rps"] == pytest.approx(1 / (1 / 3400 + 1 / 1590), abs=0.01)
     assert b["served_vs_bound"] == pytest.approx(680.0 / b["bound_rps"], abs=1e-3)
     assert 0.62 < b["served_vs_bound"] < 0.64           # the AMX host's figures: the winner reached 0.63
+
+
+def test_served_size_answer_is_the_median_golden_answer_as_the_handler_writes_it():
+    expected = [{"embedding": [0.1, -0.25, 1 / 3]}, {"embedding": [0.5] * 8}, None, [{"label": "a", "score": 0.9}]]
+    answer = served_size_answer(expected)
+    # Sizes: 3 floats, 8 floats, the label list: the median is the 3-float embedding, in float32's shortest form.
+    assert json.loads(answer) == {"embedding": [0.1, -0.25, 0.33333334]}
+    assert served_size_answer([None]) == b"{}"
 
 
 def test_bound_is_none_without_its_inputs():
@@ -93,3 +101,8 @@ def test_stage_serves_the_ceiling_beside_the_winner(tmp_path, monkeypatch, tenso
     assert b["bound_rps"] == pytest.approx(1 / (1 / ceiling["throughput_rps"] + 1 / alone["value"]), abs=0.01)
     assert b["served_vs_bound"] == pytest.approx(winner["throughput_rps"] / b["bound_rps"], abs=2e-3)
     assert refs["load"]["clients"] == 4 and "keep-alive" in refs["load"]["connections"]
+    # The ceiling answers the served answer's bytes; the empty-answer one is measured beside it.
+    golden_cases = stage.load_http_cases(golden / "http_cases.json")
+    assert b["ceiling_answer_bytes"] == len(served_size_answer([c.expected for c in golden_cases])) > 2
+    empty = refs["setups"]["ceiling_empty"]
+    assert empty["rounds"][0]["ok"] and b["ceiling_empty_rps"] == round(empty["throughput_rps"], 2)
