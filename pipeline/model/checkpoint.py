@@ -325,6 +325,20 @@ def _load_module(params: Params, path: Path) -> tuple[nn.Module, list[Path], Opt
     return module, [path], None
 
 
+def _example_hint(path: Path) -> str | None:
+    """The examples' text models are built, not committed (examples/README.md): say how to make one."""
+    examples = REPO_ROOT / "examples"
+    try:
+        task = path.resolve().relative_to(examples.resolve()).parts[0]
+    except (ValueError, IndexError):
+        return None
+    if task not in TEXT_HEAD_TASKS:
+        return None
+    return (f"the example models are built, not committed: run `make examples` (or `python "
+            f"scripts/make_text_task_model.py --task {task} --out examples/{task}/model`), see "
+            f"examples/{task}/README.md")
+
+
 def load_model(params: Params) -> LoadedModel:
     """Load `params.model` safely and wrap it for its task (eval, fp32, CPU)."""
     m = params.model
@@ -333,8 +347,9 @@ def load_model(params: Params) -> LoadedModel:
     except ParamsError as e:
         raise CheckpointError(str(e)) from None
     if not path.exists():
-        raise CheckpointError(f"`model.checkpoint` = {m.checkpoint!r} -> {path} does not exist; give a path "
-                              f"relative to the repo root, an absolute path, or pkg:<package>/<path>")
+        raise CheckpointError(f"`model.checkpoint` = {m.checkpoint!r} -> {path} does not exist; "
+                              + (_example_hint(path) or "give a path relative to the repo root, an absolute "
+                                                        "path, or pkg:<package>/<path>"))
     if m.task == "text-embedding":
         loaded, report = _text_embedding(params, path)
     elif m.task in TEXT_HEAD_TASKS:

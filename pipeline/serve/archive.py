@@ -49,6 +49,12 @@ BASELINE_HANDLER = "baseline_handler.py"
 BASELINE_MODULES = ("__init__.py", "tasks.py", *TASK_FILES, "encode.py")
 PROVENANCE = "provenance.json"
 BASELINE_SPEC = "baseline.json"
+# The transformers class the baseline builds an hf folder with: the task's head (AutoModel has none
+# and would drop the classifier's weights), the bare encoder for embeddings.
+HF_CLASSES = {"image-classification": "AutoModelForImageClassification",
+              "text-classification": "AutoModelForSequenceClassification",
+              "rerank": "AutoModelForSequenceClassification",
+              "token-classification": "AutoModelForTokenClassification"}
 MODEL_CONFIG = "model-config.yaml"
 MODEL_VERSION = "1.0"
 # Fixed file times inside the archive: zip entries then depend on content only (zip's epoch is 1980).
@@ -326,7 +332,7 @@ def baseline_files(params: Params, eager_variant: dict, eager_folder: Path) -> t
         for rel in _visible_files(ckpt):
             files[rel] = ckpt / rel
         weights = next((w for w in ("model.safetensors", "pytorch_model.bin") if w in files), None)
-        spec["hf_class"] = "AutoModelForImageClassification" if m.task == "image-classification" else "AutoModel"
+        spec["hf_class"] = HF_CLASSES.get(m.task, "AutoModel")
     else:
         weights = ckpt.name
         files[weights] = ckpt
