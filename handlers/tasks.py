@@ -14,8 +14,9 @@ where `task` is variant.json's "task" mapping (kind + settings, optionally `max_
 - `collate(samples) -> feeds` batch-first (text: padded to the batch's longest).
 - `respond(outputs, i) -> JSON-able` response of sample i (one-row requests).
 
-The text tasks with their own module (text-classification, rerank, token-classification) are
-imported on first use by `make_adapter`, so tasks.py keeps the registry and the shared parsing.
+The tasks with their own module (image-classification, tensor, text-classification, rerank,
+token-classification) are imported on first use by `make_adapter`, so tasks.py keeps the registry
+and the shared parsing.
 - `example_feeds(batch_size, seq_len=None)` deterministic synthetic feeds (warm-up, benchmarks).
 - `example_requests(n, seed)` deterministic valid (body bytes, content type) pairs.
 
@@ -25,7 +26,6 @@ text/* as str, anything else as bytes/bytearray: all are accepted.
 from __future__ import annotations
 
 import base64
-import io
 import json
 import random
 from abc import ABC, abstractmethod
@@ -348,87 +348,10 @@ class TextEmbeddingAdapter(TaskAdapter):
         return requests
 
 
-# --------------------------------------------------------------------------- image-classification
-class ImageClassificationAdapter(TaskAdapter):
-    kind = "image-classification"
-
-    def __init__(self, model_dir, task):
-        super().__init__(model_dir, task)
-        self.size = int(self.task.get("size", 224))
-        self.mean = float(self.task.get("mean", 127.0))
-        self.std = float(self.task.get("std", 128.0))
-        self.top_k = int(self.task.get("top_k", 5))
-        labels_file = self.task.get("labels")
-        self.labels = None
-        if labels_file:
-            self.labels = json.loads((self.model_dir / labels_file).read_text())
-
-    def usage(self) -> str:
-        return "send one image (PNG/JPEG/…) as the raw body, e.g. Content-Type image/png"
-
-    def _decode(self, body, media):
-        if media in JSON_TYPES or media.startswith("text/") or isinstance(body, (dict, list, str)):
-            raise RequestError(415, f"Content-Type {media or type(body).__name__!r} is not an image; {self.usage()}")
-        from PIL import Image, UnidentifiedImageError
-        try:
-            with Image.open(io.BytesIO(bytes(body))) as img:
-                img = img.convert("RGB").resize((self.size, self.size), Image.BILINEAR)
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-            raise RequestError(400, f"request body is not a decodable image ({type(e).__name__}); "
-                                    f"{self.usage()}") from None
-        return {"pixels": self.preprocess(np.asarray(img))}
-
-    def preprocess(self, rgb: np.ndarray) -> np.ndarray:
-        """HWC uint8 RGB -> CHW float32, (x - mean) / std."""
-        x = (rgb.astype(np.float32) - np.float32(self.mean)) / np.float32(self.std)
-        return np.ascontiguousarray(x.transpose(2, 0, 1))
-
-    def respond(self, outputs, i):
-        logits = np.asarray(outputs[0][i], dtype=np.float64)
-        shifted = np.exp(logits - logits.max())
-        probs = shifted / shifted.sum()
-        k = min(self.top_k, probs.shape[0])
-        order = np.argsort(-probs, kind="stable")[:k]
-        return {"top_k": [{"index": int(c), "label": self.label(int(c)), "probability": float(probs[c])}
-                          for c in order]}
-
-    def label(self, index: int) -> str:
-        if self.labels and 0 <= index < len(self.labels):
-            return str(self.labels[index])
-        return f"class_{index}"
-
-    def example_feeds(self, batch_size, seq_len=None):
-        rng = np.random.default_rng(4321 + batch_size)
-        pixels = rng.integers(0, 256, size=(batch_size, self.size, self.size, 3), dtype=np.uint8)
-        return {"pixels": np.stack([self.preprocess(p) for p in pixels])}
-
-    def example_requests(self, n, seed=0):
-        from PIL import Image, ImageDraw
-        rng = random.Random(seed)
-        requests = []
-        for _ in range(n):
-            side = rng.choice((48, 64, 96))
-            # Smooth backgrounds and shapes (not noise): class scores then have clear winners.
-            c0 = [rng.randint(0, 255) for _ in range(3)]
-            c1 = [rng.randint(0, 255) for _ in range(3)]
-            ramp = np.linspace(0.0, 1.0, side, dtype=np.float32)[None, :, None]
-            bg = np.asarray(c0, np.float32) * (1 - ramp) + np.asarray(c1, np.float32) * ramp
-            img = Image.fromarray(np.repeat(bg, side, axis=0).astype(np.uint8), "RGB")
-            draw = ImageDraw.Draw(img)
-            for _ in range(rng.randint(1, 4)):
-                x0, y0 = rng.randint(0, side // 2), rng.randint(0, side // 2)
-                box = (x0, y0, x0 + rng.randint(8, side // 2), y0 + rng.randint(8, side // 2))
-                fill = tuple(rng.randint(0, 255) for _ in range(3))
-                (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=fill)
-            buf = io.BytesIO()
-            img.save(buf, format="PNG", optimize=False)
-            requests.append((buf.getvalue(), "image/png"))
-        return requests
-
-
-ADAPTERS = {cls.kind: cls for cls in (TextEmbeddingAdapter, ImageClassificationAdapter)}
+ADAPTERS = {cls.kind: cls for cls in (TextEmbeddingAdapter,)}
 # Tasks in their own module (they import this one): loaded when first asked for.
 TASK_MODULES = {"tensor": ("task_tensor", "TensorAdapter"),
+                "image-classification": ("task_image", "ImageClassificationAdapter"),
                 "text-classification": ("task_classification", "TextClassificationAdapter"),
                 "rerank": ("task_rerank", "RerankAdapter"),
                 "token-classification": ("task_tokens", "TokenClassificationAdapter")}

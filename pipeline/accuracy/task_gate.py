@@ -10,7 +10,8 @@ job. So (thresholds from `conversion.tolerances.<dtype>`):
   recall would be near 1 by construction (MiniLM's 129 golden sentences: k = 10; 12 samples: k = 2).
 - image-classification: top-1 agreement (share of samples whose top class is the reference's)
   >= min_top1_agreement, AND mean top-k overlap (share of the reference's top-k classes found in the
-  variant's top-k, k = min(topk, classes)) >= min_topk_overlap.
+  variant's top-k, k = min(topk, classes)) >= min_topk_overlap; over HTTP, the answers' labels
+  (`[{"label", "score"}]`, best first).
 - tensor: the element-wise rule (atol/rtol + per-sample cosine), judged by pipeline.accuracy.verify.
 The same figures judge the golden set (pipeline.accuracy.verify), the calibration set during the sensitivity
 fallback (pipeline.build.variants.int8) and the HTTP responses of a served .mar (pipeline.serve.parity).
@@ -152,34 +153,37 @@ def summary(figures: dict) -> str:
 
 
 # --------------------------------------------------------------------------- HTTP responses
+def label_list(value: Any) -> bool:
+    """A classification answer: `[{"label", "score"}, ...]`, best first."""
+    return isinstance(value, list) and bool(value) and all(isinstance(c, dict) and "label" in c and "score" in c
+                                                            for c in value)
+
+
 def response_vector(kind: str, response: Any) -> Optional[list]:
-    """What the gate compares in one JSON response: the embedding, or the top-k class indices."""
-    if not isinstance(response, dict):
-        return None
+    """What the gate compares in one JSON response: the embedding, or the labels best first."""
     if kind == EMBEDDING:
-        v = response.get("embedding")
+        v = response.get("embedding") if isinstance(response, dict) else None
         return v if isinstance(v, list) else None
-    top = response.get("top_k")
-    if isinstance(top, list) and top and all(isinstance(c, dict) for c in top):
-        return [c.get("index") for c in top]
+    if kind == CLASSIFICATION and label_list(response):
+        return [c["label"] for c in response]
     return None
 
 
-def response_kind(expected: Any) -> Optional[str]:
-    if isinstance(expected, dict):
-        if "embedding" in expected:
-            return EMBEDDING
-        if "top_k" in expected:
-            return CLASSIFICATION
+def response_kind(expected: Any, task: Optional[str] = None) -> Optional[str]:
+    """The gate an answer is judged by: an embedding's, or (image-classification) the labels' top-k."""
+    if isinstance(expected, dict) and "embedding" in expected:
+        return EMBEDDING
+    if task == CLASSIFICATION and label_list(expected):
+        return CLASSIFICATION
     return None
 
 
-def check_response(got: Any, expected: Any, tol: Any) -> tuple[bool, float, str]:
+def check_response(got: Any, expected: Any, tol: Any, task: Optional[str] = None) -> tuple[bool, float, str]:
     """One response against the gate's per-sample part: (ok, error figure, first problem).
     Embedding: cosine >= min_cosine (error = 1 - cosine). Classification: same structure and the
     reference's top class among the variant's top-k (near-ties may swap; the shares are judged over
     all responses by `responses_figures`)."""
-    kind = response_kind(expected)
+    kind = response_kind(expected, task)
     g, e = response_vector(kind, got), response_vector(kind, expected)
     if g is None or e is None:
         return False, math.inf, f"response: got {str(got)[:120]!r}, expected the shape of {str(expected)[:120]!r}"
@@ -191,14 +195,14 @@ def check_response(got: Any, expected: Any, tol: Any) -> tuple[bool, float, str]
             return False, 1.0 - cos, f"response.embedding: cosine {cos:.6f} < min_cosine {_get(tol, 'min_cosine')}"
         return True, 1.0 - cos, ""
     if e[0] not in g:
-        return False, 1.0, f"response.top_k: the reference's top class {e[0]} is not in the top-k {g}"
+        return False, 1.0, f"response: the reference's top label {e[0]!r} is not among the variant's {g}"
     return True, 0.0 if g[0] == e[0] else 1.0, ""
 
 
-def responses_figures(pairs: list[tuple[Any, Any]], tol: Any) -> Optional[dict]:
+def responses_figures(pairs: list[tuple[Any, Any]], tol: Any, task: Optional[str] = None) -> Optional[dict]:
     """The gate's figures over (got, expected) response pairs; None when they carry no task output."""
-    usable = [(response_vector(response_kind(e), g), response_vector(response_kind(e), e), response_kind(e))
-              for g, e in pairs]
+    usable = [(response_vector(response_kind(e, task), g), response_vector(response_kind(e, task), e),
+               response_kind(e, task)) for g, e in pairs]
     usable = [(g, e, k) for g, e, k in usable if g is not None and e is not None and k]
     if not usable:
         return None

@@ -43,11 +43,21 @@ class TextParams:
 
 @dataclass(frozen=True)
 class ImageParams:
-    size: int = 224                # square input side, pixels
-    mean: float = 127.0            # input = (pixel - mean) / std, per channel, RGB
-    std: float = 128.0
-    top_k: int = 5
-    labels: Optional[str] = None   # JSON list of class names (pkg:/relative/absolute); None → "class_<i>"
+    # How a request's image becomes the model's input, with the semantics of transformers' image
+    # processors (handlers/task_image.py): resize, centre crop, rescale, normalize per RGB channel.
+    # An hf folder's preprocessor_config.json says it instead: these seven keys then stay unset.
+    size: Optional[int | list[int]] = None     # resize to exactly size x size, or [height, width] (aspect not kept);
+                                               # 224 when neither this, resize_shortest_edge nor crop_size is set
+    resize_shortest_edge: Optional[int] = None  # or: the shorter side to this, aspect kept (needs crop_size)
+    crop_size: Optional[int | list[int]] = None  # centre crop after the resize: N x N or [height, width]
+    resample: Optional[Literal["nearest", "lanczos", "bilinear", "bicubic", "box", "hamming"]] = None   # bilinear
+    rescale_factor: Optional[float] = None     # pixels (0..255) x this first, e.g. 0.00392156862745098 (1/255); null: x 1
+    mean: Optional[float | list[float]] = None  # input = (pixel - mean) / std, per channel [R, G, B] or one number;
+    std: Optional[float | list[float]] = None   # null: 127 and 128 (pixels on the 0..255 scale)
+    top_k: int = 5                             # labels per answer unless the request says (parameters.top_k)
+    labels: Optional[str] = None   # JSON list of class names (pkg:/relative/absolute); hf: config.json id2label; else LABEL_<i>
+    function_to_apply: Optional[Literal["softmax", "sigmoid", "none"]] = None   # null: as transformers chooses
+    max_pixels: int = 50_000_000               # a larger image is refused (413) before it is decoded
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,50 @@ def check_model(p: Params) -> None:
             raise bad_value("model.input_shape", m.input_shape, "positive dimensions")
 
 
+def _sides(value: Any) -> list:
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _channels(value: Any) -> list:
+    return [value] * 3 if isinstance(value, (int, float)) else list(value)
+
+
+def check_image(p: Params) -> None:
+    """model.image for image-classification: a fixed input size, and mean/std on the scale of the pixels."""
+    if p.model.task != "image-classification":
+        return
+    img = p.model.image
+    for key in ("size", "crop_size"):
+        value = getattr(img, key)
+        if value is not None and (len(_sides(value)) not in (1, 2) or any(s < 1 for s in _sides(value))):
+            raise bad_value(f"model.image.{key}", value, "a positive integer (square) or [height, width]")
+    if img.size is not None and img.resize_shortest_edge is not None:
+        raise bad_value("model.image.size", img.size, "null when model.image.resize_shortest_edge is set "
+                        "(size resizes to exactly that; resize_shortest_edge keeps the aspect ratio)")
+    if img.resize_shortest_edge is not None and (img.resize_shortest_edge < 1 or img.crop_size is None):
+        raise bad_value("model.image.resize_shortest_edge", img.resize_shortest_edge,
+                        "a positive integer, with model.image.crop_size set (the model takes one fixed size; "
+                        "e.g. resize_shortest_edge: 256, crop_size: 224)")
+    for key in ("mean", "std"):
+        value = getattr(img, key)
+        if value is not None and len(_channels(value)) != 3:
+            raise bad_value(f"model.image.{key}", value, "one number, or three: [R, G, B]")
+    if img.std is not None and any(s <= 0 for s in _channels(img.std)):
+        raise bad_value("model.image.std", img.std, "positive numbers")
+    std = _channels(128.0 if img.std is None else img.std)
+    if img.rescale_factor is not None and img.rescale_factor <= 0:
+        raise bad_value("model.image.rescale_factor", img.rescale_factor, "a positive number, e.g. 0.00392156862745098 (1/255)")
+    if img.rescale_factor is None and max(std) < 1:
+        raise bad_value("model.image.std", img.std, "values on the pixels' 0..255 scale (std < 1 is a 0..1 scale: "
+                        "set model.image.rescale_factor: 0.00392156862745098, i.e. 1/255, to rescale the pixels first)")
+    if img.rescale_factor is not None and img.rescale_factor < 0.5 and max(std) > 2:
+        raise bad_value("model.image.std", img.std, f"values on the scale of the rescaled pixels (x "
+                        f"{img.rescale_factor}), e.g. [0.229, 0.224, 0.225]; null means 128, for 0..255 pixels")
+    _bounds("model.image", (
+        ("top_k", img.top_k, img.top_k >= 1, "an integer >= 1"),
+        ("max_pixels", img.max_pixels, img.max_pixels >= 1, "a positive number of pixels, e.g. 50000000")))
+
+
 def check_model_name(p: Params) -> None:
     if MODEL_NAME.fullmatch(p.model.name) is None:
         raise bad_value("model.name", p.model.name, "letters, digits, '_', '-', '.', starting with a letter or digit")
@@ -160,7 +204,7 @@ def check_serve_check(p: Params) -> None:
 # Run in this order, the first failing check's error the one reported: a params file with several
 # mistakes always names the same one first.
 CHECKS: tuple[Callable[[Params], None], ...] = (
-    check_variants, check_model, check_benchmark, check_conversion, check_tolerances, check_int8,
+    check_variants, check_model, check_image, check_benchmark, check_conversion, check_tolerances, check_int8,
     check_serve, check_tune, check_serve_check, check_model_name)
 
 

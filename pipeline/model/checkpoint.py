@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.core.params import REPO_ROOT, Params, ParamsError, checkpoint_path, resolve_path
+from pipeline.core.params import REPO_ROOT, Params, ParamsError, checkpoint_path
 # Weight reading lives in pipeline.model.weights; re-exported here for callers of the checkpoint API.
 from pipeline.model.weights import (STATE_DICT_SUFFIXES, CheckpointError, KeyReport, _first_line,  # noqa: F401
                               check_readable, find_hf_weights, judge_missing, key_problem, load_into,
@@ -377,7 +377,7 @@ def probe_args(loaded: LoadedModel) -> tuple:
         if spec.dtype.startswith("int"):
             args.append(torch.ones(1, 8, dtype=torch.int64))
         elif task.get("kind") == "image-classification":
-            args.append(torch.zeros(1, 3, task["size"], task["size"]))
+            args.append(torch.zeros(1, 3, *task["input_size"]))
         else:
             args.append(torch.zeros(1, *task.get("input_shape", [])))
     return tuple(args)
@@ -406,38 +406,26 @@ def _text_embedding(params: Params, path: Path) -> tuple[LoadedModel, Optional[K
 
 
 def _image_classification(params: Params, module: nn.Module, sources: list[Path]) -> LoadedModel:
-    img = params.model.image
-    example = torch.zeros(1, 3, img.size, img.size)
+    """The logits of the model (one output), its labels and its preprocessing (pipeline/model/image_task.py)."""
+    from pipeline.model.image_task import image_classification_model
     if params.model.source == "hf":
         wrapped = OutputsAsTuple(module, pick="logits")
     else:
+        example = torch.zeros(1, 3, *probe_size(params))
         names, keys = _describe_outputs(module, example)
         if len(names) != 1:
             raise CheckpointError(f"image-classification needs one logits output; the model returns {len(names)} "
                                   f"({', '.join(names)}); use task 'tensor' or make the factory return logits only")
         wrapped = OutputsAsTuple(module, keys=None, pick=keys[0] if keys else None)
-    with torch.inference_mode():
-        logits = wrapped(example)
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        raise CheckpointError(f"image-classification: the model must return logits [batch, classes]; got "
-                              f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
-    num_classes = int(logits.shape[1])
-    extra: dict[str, Path] = {}
-    if img.labels:
-        labels_path = resolve_path(img.labels)
-        try:
-            labels = json.loads(labels_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"`model.image.labels` -> {labels_path}: cannot read a JSON list ({e})") from None
-        if not isinstance(labels, list) or len(labels) != num_classes:
-            raise CheckpointError(f"`model.image.labels` -> {labels_path}: needs a JSON list of {num_classes} names "
-                                  f"(one per class), got {type(labels).__name__} of {len(labels) if isinstance(labels, list) else '?'}")
-        extra["labels.json"] = labels_path
-    task = {"kind": "image-classification", "size": img.size, "mean": img.mean, "std": img.std,
-            "top_k": min(img.top_k, num_classes), "num_classes": num_classes,
-            "labels": "labels.json" if extra else None}
-    return LoadedModel(module=wrapped.eval(), inputs=[InputSpec("pixels", "float32", {0: "batch"})],
-                       outputs=["logits"], task=task, extra_files=extra, source_files=sources)
+    folder = checkpoint_path(params) if params.model.source == "hf" else None
+    return image_classification_model(params, module, sources, wrapped.eval(), folder)
+
+
+def probe_size(params: Params) -> tuple[int, int]:
+    """The (height, width) a state_dict / TorchScript image model takes, from params `model.image`."""
+    from pipeline.model.image_task import recipe_from_params
+    from handlers.task_image import check_recipe
+    return check_recipe(recipe_from_params(params.model.image))
 
 
 def _tensor(params: Params, module: nn.Module, sources: list[Path]) -> LoadedModel:

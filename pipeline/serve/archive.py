@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 HANDLERS_DIR = REPO_ROOT / "handlers"
 # The handler modules an archive needs besides its entry module: shared logic, tasks, runtimes.
 # tasks.py imports the task_*.py modules on first use (handlers.tasks.TASK_MODULES): all are packed.
-TASK_FILES = ("task_tensor.py", "task_text.py", "task_classification.py", "task_rerank.py", "task_tokens.py")
+TASK_FILES = ("task_tensor.py", "task_text.py", "task_classification.py", "task_rerank.py", "task_tokens.py",
+              "task_image.py")
 SERVING_MODULES = ("__init__.py", "serving.py", "tasks.py", *TASK_FILES, "encode.py", "profile.py", "runtime.py",
                    "runtime_torch.py", "runtime_onnx.py")
 ENTRY_HANDLERS = {"torch": "torch_handler.py", "onnx": "onnx_handler.py"}

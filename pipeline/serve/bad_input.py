@@ -2,7 +2,10 @@
 workers must stay up (the valid ones still answered correctly in the batches they shared)."""
 from __future__ import annotations
 
+import base64
 import json
+import struct
+import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,10 +34,15 @@ def bad_input_cases(task: str, cases: list[HttpCase], max_request_size: int) -> 
     bad = [BadCase("empty_body", ct, b""),
            BadCase("over_size_limit", ct, b"0" * (max_request_size + 1))]
     if task == "image-classification":
-        bad += [BadCase("invalid_json", "application/json", b'{"image": '),
+        image = next((c.body for c in cases if (c.content_type or "").startswith("image/")), b"")
+        bad += [BadCase("invalid_json", "application/json", b'{"inputs": '),
                 BadCase("wrong_content_type", "text/plain", b"a sentence, not an image"),
-                BadCase("undecodable_image", ct if ct.startswith("image/") else "image/png",
-                        b"\x89PNG\r\n\x1a\n this is not really a PNG")]
+                BadCase("undecodable_image", "image/png", b"\x89PNG\r\n\x1a\n this is not really a PNG"),
+                BadCase("truncated_image", "image/png", image[:max(8, len(image) // 2)]),
+                BadCase("not_base64", "application/json", b'{"inputs": "not base64 at all!"}'),
+                BadCase("bad_parameter", "application/json", json.dumps(
+                    {"inputs": base64.b64encode(image).decode("ascii"), "parameters": {"top_k": 0}}).encode()),
+                BadCase("decompression_bomb", "image/png", png_claiming(30000, 30000))]
     elif task == "text-embedding":
         bad += [BadCase("invalid_json", "application/json", b'{"text": "unterminated'),
                 BadCase("wrong_content_type", "image/png", b"\x89PNG\r\n\x1a\n"),
@@ -55,6 +63,15 @@ def bad_input_cases(task: str, cases: list[HttpCase], max_request_size: int) -> 
     return bad
 
 
+def png_claiming(width: int, height: int) -> bytes:
+    """A tiny PNG file whose header declares width x height pixels (a decompression bomb's shape)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)           # 8-bit grayscale
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+            + chunk(b"IEND", b""))
+
+
 def _json_tensor_shape(cases: list[HttpCase]) -> Optional[tuple]:
     for c in cases:
         if (c.content_type or "").startswith("application/json"):
@@ -70,7 +87,7 @@ def _json_tensor_shape(cases: list[HttpCase]) -> Optional[tuple]:
 
 
 def check_bad_inputs(ts: TorchServe, bad: list[BadCase], good: list[HttpCase],
-                     atol: float, rtol: float, gate: Optional[dict] = None) -> dict:
+                     atol: float, rtol: float, gate: Optional[dict] = None, task: Optional[str] = None) -> dict:
     """Bad and valid requests sent together (so they share batches): every bad one → 4xx, every
     valid one → 200 with the reference answer, and the same workers still READY afterwards."""
     workers_before = ts.worker_pids()
@@ -97,7 +114,7 @@ def check_bad_inputs(ts: TorchServe, bad: list[BadCase], good: list[HttpCase],
             if r is not None and r.request_id:
                 bad_ids.add(r.request_id)
         else:
-            ok = status == 200 and response_within(r.json(), case.expected, atol, rtol, gate)[0]
+            ok = status == 200 and response_within(r.json(), case.expected, atol, rtol, gate, task)[0]
             if not ok:
                 good_fail.append({"id": case.id, "status": status, "error": err})
             if r is not None and r.request_id:

@@ -13,9 +13,9 @@ from pipeline.serve.torchserve import Client, TorchServe
 
 def compare_response(got: Any, expected: Any, atol: float, rtol: float) -> tuple[bool, float, str]:
     """(ok, max_abs_error, first mismatch) between a handler response and the reference one.
-    Numbers within atol + rtol·|expected|; everything else equal. Classification `top_k`: the top-1
-    class must match and every class in both lists must have its probability within tolerance
-    (near-ties may swap lower ranks)."""
+    Numbers within atol + rtol·|expected|; everything else equal. A classification answer
+    (`[{"label", "score"}]`, best first): as long as expected, the top-1 label must match and every
+    label in both lists must have its score within tolerance (near-ties may swap lower ranks)."""
     worst = [0.0]
 
     def walk(g, e, where) -> str:
@@ -34,26 +34,22 @@ def compare_response(got: Any, expected: Any, atol: float, rtol: float) -> tuple
                 return f"{where}: got {type(g).__name__}, expected an object"
             if set(g) != set(e):
                 return f"{where}: keys {sorted(g)} != expected {sorted(e)}"
-            if "top_k" in e and isinstance(e["top_k"], list):
-                msg = top_k(g["top_k"], e["top_k"], f"{where}.top_k")
-                rest = {k: v for k, v in e.items() if k != "top_k"}
-                return msg or next((m for k, v in rest.items() if (m := walk(g[k], v, f"{where}.{k}"))), "")
             return next((m for k, v in e.items() if (m := walk(g[k], v, f"{where}.{k}"))), "")
         if isinstance(e, list):
+            if task_gate.label_list(e) and task_gate.label_list(g) and len(g) == len(e):
+                return ranked(g, e, where)
             if not isinstance(g, list) or len(g) != len(e):
                 return f"{where}: got {type(g).__name__} of length {len(g) if isinstance(g, list) else '-'}, expected length {len(e)}"
             return next((m for i, (gi, ei) in enumerate(zip(g, e)) if (m := walk(gi, ei, f"{where}[{i}]"))), "")
         return "" if g == e else f"{where}: got {g!r}, expected {e!r}"
 
-    def top_k(g, e, where) -> str:
-        if not isinstance(g, list) or not g or not e:
-            return f"{where}: got {g!r}, expected a non-empty list"
-        if g[0].get("index") != e[0].get("index"):
-            return f"{where}: top-1 class {g[0].get('index')} != expected {e[0].get('index')}"
-        got_p = {c.get("index"): c for c in g}
+    def ranked(g, e, where) -> str:
+        if g[0]["label"] != e[0]["label"]:
+            return f"{where}: top-1 label {g[0]['label']!r} != expected {e[0]['label']!r}"
+        got_by_label = {c["label"]: c for c in g}
         for c in e:
-            if c.get("index") in got_p:
-                m = walk(got_p[c["index"]], c, f"{where}[index={c['index']}]")
+            if c["label"] in got_by_label:
+                m = walk(got_by_label[c["label"]], c, f"{where}[label={c['label']!r}]")
                 if m:
                     return m
         return ""
@@ -63,16 +59,16 @@ def compare_response(got: Any, expected: Any, atol: float, rtol: float) -> tuple
 
 
 def response_within(got: Any, expected: Any, atol: float, rtol: float,
-                    gate: Optional[dict] = None) -> tuple[bool, float, str]:
-    """compare_response; for a tolerance with `gate: task` (int8) and an embedding / classification
-    answer, the task gate's per-response part instead (pipeline/accuracy/task_gate.py)."""
-    if task_gate.uses_task_gate(gate, task_gate.response_kind(expected)):
-        return task_gate.check_response(got, expected, gate)
+                    gate: Optional[dict] = None, task: Optional[str] = None) -> tuple[bool, float, str]:
+    """compare_response; for a tolerance with `gate: task` (int8) and an embedding / image
+    classification answer, the task gate's per-response part instead (pipeline/accuracy/task_gate.py)."""
+    if task_gate.uses_task_gate(gate, task_gate.response_kind(expected, task)):
+        return task_gate.check_response(got, expected, gate, task)
     return compare_response(got, expected, atol, rtol)
 
 
 def check_parity(ts: TorchServe, cases: list[HttpCase], atol: float, rtol: float,
-                 concurrency: int, gate: Optional[dict] = None) -> dict:
+                 concurrency: int, gate: Optional[dict] = None, task: Optional[str] = None) -> dict:
     """Every golden case one by one, then all of them concurrently (so they batch). With a task
     gate (int8) the sequential answers must also meet its figures over all cases (recall@k, top-1
     agreement...), recorded under `task_gate`."""
@@ -85,7 +81,7 @@ def check_parity(ts: TorchServe, cases: list[HttpCase], atol: float, rtol: float
             got = r.json()
         except (ValueError, UnicodeDecodeError):
             return {"id": case.id, "ok": False, "max_abs": None, "error": "response is not JSON"}
-        ok, err, msg = response_within(got, case.expected, atol, rtol, gate)
+        ok, err, msg = response_within(got, case.expected, atol, rtol, gate, task)
         return {"id": case.id, "ok": ok, "max_abs": err, "error": msg or None, "_answer": (got, case.expected)}
 
     client = ts.api.client()
@@ -104,13 +100,13 @@ def check_parity(ts: TorchServe, cases: list[HttpCase], atol: float, rtol: float
            "max_abs_error": max(errs) if errs else None,
            "failures": failures[:10]}
     if gate and gate.get("gate") == "task":
-        out = _judged_by_task_gate(out, answers, gate)
+        out = _judged_by_task_gate(out, answers, gate, task)
     return out
 
 
-def _judged_by_task_gate(out: dict, answers: list[tuple[Any, Any]], gate: dict) -> dict:
+def _judged_by_task_gate(out: dict, answers: list[tuple[Any, Any]], gate: dict, task: Optional[str]) -> dict:
     """The parity record with the task gate's figures over all sequential answers, failing on a miss."""
-    figures = task_gate.responses_figures(answers, gate)
+    figures = task_gate.responses_figures(answers, gate, task)
     if figures is None:
         return out
     miss = task_gate.judge(figures, gate)

@@ -53,12 +53,12 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
             # `out` fills as the checks go: a server error midway keeps what was measured before it.
             _record_ready(ts, spec, cases[0], out)
             if parity:
-                out["parity"] = check_parity(ts, cases, atol, rtol, concurrency, gate=gate)
+                out["parity"] = check_parity(ts, cases, atol, rtol, concurrency, gate=gate, task=task)
                 log.info("%s parity ok=%s max_abs_error=%s", spec.name, out["parity"]["ok"],
                          out["parity"]["max_abs_error"])
             if bad_inputs:
                 bad = bad_input_cases(task, cases, max_request_size(ts))
-                out["bad_inputs"] = check_bad_inputs(ts, bad, cases, atol, rtol, gate=gate)
+                out["bad_inputs"] = check_bad_inputs(ts, bad, cases, atol, rtol, gate=gate, task=task)
                 log.info("%s bad inputs: %s", spec.name,
                          {c["id"]: c["status"] for c in out["bad_inputs"]["cases"]})
             if warmup_s > 0:

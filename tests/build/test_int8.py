@@ -98,10 +98,13 @@ def test_http_responses_judged_by_the_gate():
     assert response_within(close, e, 1e-4, 1e-3, gate)[0]             # the int8 gate: cosine 0.9998
     ok, _, msg = response_within({"embedding": [0.8, 0.6, 0.0]}, e, 1e-4, 1e-3, gate)
     assert not ok and "cosine" in msg
-    top = {"top_k": [{"index": 3, "label": "c", "probability": 0.5}, {"index": 1, "label": "b", "probability": 0.4}]}
-    swapped = {"top_k": [{"index": 1, "label": "b", "probability": 0.45}, {"index": 3, "label": "c", "probability": 0.44}]}
-    assert response_within(swapped, top, 1e-4, 1e-3, gate)[0]        # near-tie swap: judged over all answers
-    figures = task_gate.responses_figures([(swapped, top), (top, top)], gate)
+    top = [{"label": "c", "score": 0.5}, {"label": "b", "score": 0.4}]
+    swapped = [{"label": "b", "score": 0.45}, {"label": "c", "score": 0.44}]
+    image = "image-classification"
+    assert response_within(swapped, top, 1e-4, 1e-3, gate, image)[0]   # near-tie swap: judged over all answers
+    assert not response_within([{"label": "a", "score": 0.9}], top, 1e-4, 1e-3, gate, image)[0]
+    assert not response_within(swapped, top, 1e-4, 1e-3, gate)[0]      # text-classification: scores, element-wise
+    figures = task_gate.responses_figures([(swapped, top), (top, top)], gate, image)
     assert figures["top1_agreement"] == 0.5 and task_gate.judge(figures, gate).startswith("top-1 agreement")
 
 

@@ -148,3 +148,39 @@ def test_default_checkpoint_resolves_inside_installed_package():
     path = checkpoint_path(load_params(REPO_ROOT / "params.yaml"))
     assert path.is_dir() and (path / "config.json").is_file()
     assert not Path(load_params(REPO_ROOT / "params.yaml").model.checkpoint).is_absolute()
+
+
+IMAGE_MODEL = {"name": "m", "source": "state_dict", "checkpoint": "w.pt", "factory": "m.py:build",
+               "task": "image-classification"}
+
+
+@pytest.mark.parametrize("image, words", [
+    ({"size": 224, "resize_shortest_edge": 256}, ["`model.image.size`", "resize_shortest_edge"]),
+    ({"resize_shortest_edge": 256}, ["`model.image.resize_shortest_edge`", "crop_size"]),
+    ({"crop_size": [224, 224, 3]}, ["`model.image.crop_size`", "[height, width]"]),
+    ({"size": 0}, ["`model.image.size`", "positive"]),
+    ({"mean": [0.5, 0.5]}, ["`model.image.mean`", "[R, G, B]"]),
+    ({"std": [1.0, 0.0, 1.0], "rescale_factor": 0.5}, ["`model.image.std`", "positive"]),
+    ({"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]},
+     ["`model.image.std`", "rescale_factor: 0.00392156862745098"]),
+    ({"rescale_factor": 0.00392156862745098}, ["`model.image.std`", "rescaled pixels"]),
+    ({"rescale_factor": -1.0, "std": 0.5}, ["`model.image.rescale_factor`"]),
+    ({"resample": "cubic"}, ["`model.image.resample`", "'bicubic'"]),
+    ({"function_to_apply": "relu"}, ["`model.image.function_to_apply`", "'sigmoid'"]),
+    ({"top_k": 0}, ["`model.image.top_k`"]),
+    ({"max_pixels": 0}, ["`model.image.max_pixels`"]),
+])
+def test_image_preprocessing_params_are_checked(image, words):
+    msg = error_of({"model": {**IMAGE_MODEL, "image": image}})
+    assert all(w in msg for w in words), msg
+
+
+def test_image_preprocessing_params_that_hold():
+    ok = [{}, {"size": 224, "mean": 127, "std": 128}, {"size": [224, 320]},
+          {"resize_shortest_edge": 256, "crop_size": 224, "resample": "bicubic", "rescale_factor": 0.00392156862745098,
+           "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "function_to_apply": "sigmoid"},
+          {"crop_size": [32, 48], "rescale_factor": 1.0, "mean": 0.0, "std": 1.0}]
+    for image in ok:
+        parse_params({"model": {**IMAGE_MODEL, "image": image}})
+    # Another task does not read model.image: its values are not judged.
+    parse_params({"model": {**MODEL, "image": {"resize_shortest_edge": 256}}})

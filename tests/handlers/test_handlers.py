@@ -86,8 +86,13 @@ TASKS = {
                            task={"kind": "text-embedding", "max_length": 16, "pooling": "mean", "normalize": True,
                                  "dim": 6, "tokenizer": "tokenizer.json"}),
     "image-classification": dict(make=TinyClassifier, inputs=[("pixels", "float32")], outputs=["logits"],
-                                 task={"kind": "image-classification", "size": IMAGE_SIZE, "mean": 127.0,
-                                       "std": 128.0, "top_k": 3, "num_classes": 7, "labels": "labels.json"}),
+                                 task={"kind": "image-classification", "input_size": [IMAGE_SIZE, IMAGE_SIZE],
+                                       "preprocess": {"resize": {"shortest_edge": IMAGE_SIZE + 4}, "resample": "bicubic",
+                                                      "crop": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                                      "rescale_factor": 1 / 255, "mean": [0.5, 0.4, 0.3],
+                                                      "std": [0.2, 0.3, 0.25]},
+                                       "top_k": 3, "num_classes": 7, "labels": [f"label{i}" for i in range(7)],
+                                       "function": "softmax"}),
 }
 
 
@@ -112,9 +117,6 @@ def make_variant(root: Path, kind: str, fmt: str, dtype: str = "float32", seed: 
     if kind == "text-embedding":
         build_tokenizer(folder / "tokenizer.json")
         files.append("tokenizer.json")
-    if kind == "image-classification":
-        (folder / "labels.json").write_text(json.dumps([f"label{i}" for i in range(7)]))
-        files.append("labels.json")
     example = example_inputs(kind)
     names = [n for n, _ in spec["inputs"]]
     in_dtypes = [d if d != "float32" else dtype for _, d in spec["inputs"]]
@@ -197,11 +199,11 @@ def load(handler_cls, folder: Path, **cfg):
     return h
 
 
-def png(seed: int, side: int = 20) -> bytes:
+def png(seed: int, width: int = 20, height: int = 20) -> bytes:
     from PIL import Image
     rng = np.random.default_rng(seed)
     buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8), "RGB").save(buf, format="PNG")
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB").save(buf, format="PNG")
     return buf.getvalue()
 
 
@@ -217,11 +219,9 @@ def reference(kind: str, model: nn.Module, folder: Path, body: bytes, ct: str):
 
 
 def close_enough(got, want, atol):
-    if isinstance(want, dict) and "top_k" in want:
-        assert [c["index"] for c in got["top_k"]] == [c["index"] for c in want["top_k"]]
-        assert [c["label"] for c in got["top_k"]] == [f"label{c['index']}" for c in got["top_k"]]
-        np.testing.assert_allclose([c["probability"] for c in got["top_k"]],
-                                   [c["probability"] for c in want["top_k"]], atol=atol)
+    if isinstance(want, list) and want and isinstance(want[0], dict):       # [{"label", "score"}] best first
+        assert [c["label"] for c in got] == [c["label"] for c in want]
+        np.testing.assert_allclose([c["score"] for c in got], [c["score"] for c in want], atol=atol)
     elif isinstance(want, dict):
         np.testing.assert_allclose(got["embedding"], want["embedding"], atol=atol)
     else:
@@ -233,7 +233,7 @@ VALID = {
                          "application/json"),
     "text-embedding": lambda i: ((" ".join(WORDS[: 2 + i]).encode(), "text/plain") if i % 2 == 0 else
                                  (json.dumps({"text": " ".join(WORDS[i:])}).encode(), "application/json")),
-    "image-classification": lambda i: (png(i, 18 + i), "image/png"),
+    "image-classification": lambda i: (png(i, 18 + i, 30 - 3 * i), "image/png"),
 }
 MALFORMED = {
     "tensor": [(b"[[1, 2", "application/json"), (json.dumps([[1.0] * 4] * 2).encode(), "application/json"),
@@ -241,7 +241,8 @@ MALFORMED = {
     "text-embedding": [(json.dumps({"text": ""}).encode(), "application/json"), (b"{not json", "application/json"),
                        (b"   ", "text/plain")],
     "image-classification": [(b"definitely not an image", "image/png"), (b"", "image/jpeg"),
-                             (json.dumps({"x": 1}).encode(), "application/json")],
+                             (json.dumps({"x": 1}).encode(), "application/json"),
+                             (json.dumps({"inputs": "@@@"}).encode(), "application/json")],
 }
 CASES = [("tensor", "torchscript", "float32"), ("tensor", "eager", "float32"), ("tensor", "torchscript", "float16"),
          ("tensor", "onnx", "float32"),

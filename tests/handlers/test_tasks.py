@@ -107,6 +107,7 @@ def test_text_respond_and_examples(text_adapter, tiny_text_model_dir):
 
 
 # --------------------------------------------------------------------------- image
+# More of the image task (the recipe against transformers, JSON bodies, bombs): tests/handlers/test_task_image.py
 def test_image_decode_preprocesses(image_adapter):
     sample = image_adapter.decode(png_bytes((127, 255, 0)), "image/png")
     pixels = sample["pixels"]
@@ -122,37 +123,37 @@ def test_image_decode_preprocesses(image_adapter):
 
 @pytest.mark.parametrize("body, ct, status, words", [
     (b"not an image at all", "image/png", 400, "not a decodable image"),
-    (png_bytes()[:40], "image/png", 400, "not a decodable image"),
-    (b'{"pixels": []}', "application/json", 415, "not an image"),
-    ({"pixels": []}, "application/json", 415, "not an image"),
+    (png_bytes()[:40], "image/png", 400, "image"),
+    (b'{"pixels": []}', "application/json", 400, "unknown key(s) ['pixels']"),
+    ({"inputs": []}, "application/json", 400, "base64-encoded (a string)"),
     ("some text", "text/plain", 415, "not an image"),
     (b"\x89PNG" + b"0" * 200_000, "image/png", 413, "100000 bytes"),
 ])
 def test_image_decode_errors(image_adapter, body, ct, status, words):
     got_status, msg = status_of(image_adapter, body, ct)
-    assert got_status == status and words in msg
+    assert got_status == status and words in msg, msg
 
 
-def test_image_respond_top_k_softmax(image_adapter):
+def test_image_respond_labels_and_scores_best_first(image_adapter):
     logits = np.array([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 0.0]], dtype=np.float32)
     resp = image_adapter.respond([logits], 0)
-    top = resp["top_k"]
-    assert [t["index"] for t in top] == [1, 3, 2] and [t["label"] for t in top] == ["one", "three", "two"]
+    assert [t["label"] for t in resp] == ["one", "three", "two"] and set(resp[0]) == {"label", "score"}
     probs = np.exp(logits[0]) / np.exp(logits[0]).sum()
-    assert top[0]["probability"] == pytest.approx(float(probs[1]))
+    assert resp[0]["score"] == pytest.approx(float(probs[1]))
     assert json.loads(json.dumps(resp)) == resp
 
     no_labels = make_adapter(".", {"kind": "image-classification", "size": 8, "top_k": 10})
-    assert [t["label"] for t in no_labels.respond([logits], 1)["top_k"]][:1] == ["class_0"]
-    assert len(no_labels.respond([logits], 1)["top_k"]) == 4
+    assert [t["label"] for t in no_labels.respond([logits], 1)][:1] == ["LABEL_0"]
+    assert len(no_labels.respond([logits], 1)) == 4
 
 
 def test_image_examples(image_adapter):
-    requests = image_adapter.example_requests(4, seed=1)
-    assert requests == image_adapter.example_requests(4, seed=1)
-    assert all(ct == "image/png" and body[:4] == b"\x89PNG" for body, ct in requests)
+    requests = image_adapter.example_requests(6, seed=1)
+    assert requests == image_adapter.example_requests(6, seed=1)
+    assert {ct for _, ct in requests} == {"image/png", "application/json"}
+    assert all(body[:4] == b"\x89PNG" for body, ct in requests if ct == "image/png")
     feeds = image_adapter.collate([image_adapter.decode(b, ct) for b, ct in requests])
-    assert feeds["pixels"].shape == (4, 3, 8, 8)
+    assert feeds["pixels"].shape == (6, 3, 8, 8)
     assert image_adapter.example_feeds(2)["pixels"].shape == (2, 3, 8, 8)
 
 

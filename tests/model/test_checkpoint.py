@@ -224,8 +224,11 @@ def test_image_classification_wrapper(image_params, tmp_path, make_params, facto
     loaded = load_model(image_params)
     assert [(i.name, i.dtype) for i in loaded.inputs] == [("pixels", "float32")]
     assert loaded.outputs == ["logits"]
-    assert loaded.task == {"kind": "image-classification", "size": 32, "mean": 127.0, "std": 128.0,
-                           "top_k": 3, "num_classes": 5, "labels": None}
+    assert loaded.task == {"kind": "image-classification", "input_size": [32, 32], "top_k": 3, "num_classes": 5,
+                           "labels": None, "problem_type": None, "function": "softmax", "max_pixels": 50_000_000,
+                           "preprocess": {"resize": {"height": 32, "width": 32}, "resample": "bilinear", "crop": None,
+                                          "rescale_factor": None, "mean": [127.0] * 3, "std": [128.0] * 3,
+                                          "from": "params model.image"}}
     assert loaded.module(torch.zeros(4, 3, 32, 32)).shape == (4, 5)
 
     labels = tmp_path / "labels.json"
@@ -237,7 +240,7 @@ def test_image_classification_wrapper(image_params, tmp_path, make_params, facto
         load_model(params)
     labels.write_text(json.dumps(list("abcde")))
     loaded = load_model(params)
-    assert loaded.extra_files == {"labels.json": labels} and loaded.task["labels"] == "labels.json"
+    assert loaded.extra_files == {} and loaded.task["labels"] == list("abcde")     # carried in the task itself
 
 
 def test_text_embedding_wrapper_pools_masks_and_traces(text_params, tiny_text_model_dir):
@@ -318,7 +321,7 @@ def test_real_efficientnet_lite0_through_example_factory():
     from pipeline.core.params import REPO_ROOT, load_params
     params = load_params(REPO_ROOT / "examples/efficientnet-lite0/params.yaml")
     loaded = load_model(params)        # strict: every key of the shipped state_dict matches build()
-    assert loaded.task["num_classes"] == 1000 and loaded.task["size"] == 224
+    assert loaded.task["num_classes"] == 1000 and loaded.task["input_size"] == [224, 224]
     x = torch.from_numpy(np.random.default_rng(0).uniform(-1, 1, (2, 3, 224, 224)).astype(np.float32))
     with torch.inference_mode():
         logits = loaded.module(x)

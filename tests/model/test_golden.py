@@ -91,8 +91,10 @@ def test_image_golden_writes_png_bodies(tmp_path, image_params):
     assert case["content_type"] == "image/png" and body[:4] == b"\x89PNG" and "body" not in case
     adapter = make_adapter(tmp_path / "g", loaded.task)
     np.testing.assert_array_equal(adapter.decode(body, "image/png")["pixels"], golden.batches[0].feeds["pixels"][0])
-    top = case["expected"]["top_k"]
-    assert len(top) == 3 and top[0]["probability"] >= top[-1]["probability"]
+    top = case["expected"]
+    assert len(top) == 3 and top[0]["score"] >= top[-1]["score"] and set(top[0]) == {"label", "score"}
+    json_case = next(c for c in golden.http_cases if c["content_type"] == "application/json")
+    assert json.loads(json_case["body"])["inputs"] and isinstance(json_case["expected"], list)
 
 
 def test_write_golden_refuses_foreign_folder(tmp_path, tensor_params):

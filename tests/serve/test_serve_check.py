@@ -40,18 +40,18 @@ def test_compare_numbers_nested_and_types():
     assert not compare_response([float("nan")], [1.0], 1, 1)[0]
 
 
-def test_compare_top_k_tolerates_swapped_near_ties_not_a_new_winner():
-    exp = {"top_k": [{"index": 3, "label": "c", "probability": 0.6},
-                     {"index": 1, "label": "a", "probability": 0.2000},
-                     {"index": 2, "label": "b", "probability": 0.1999}]}
-    swapped = {"top_k": [exp["top_k"][0], exp["top_k"][2], exp["top_k"][1]]}
+def test_compare_labels_tolerates_swapped_near_ties_not_a_new_winner():
+    exp = [{"label": "c", "score": 0.6}, {"label": "a", "score": 0.2000}, {"label": "b", "score": 0.1999}]
+    swapped = [exp[0], exp[2], exp[1]]
     assert compare_response(swapped, exp, 1e-3, 0)[0]
-    new_winner = {"top_k": [exp["top_k"][1], exp["top_k"][0], exp["top_k"][2]]}
+    assert compare_response([swapped, exp], [exp, exp], 1e-3, 0)[0]          # a list input: one answer each
+    new_winner = [exp[1], exp[0], exp[2]]
     ok, _, msg = compare_response(new_winner, exp, 1, 1)
     assert not ok and "top-1" in msg
     off = json.loads(json.dumps(exp))
-    off["top_k"][0]["probability"] = 0.5
+    off[0]["score"] = 0.5
     assert not compare_response(off, exp, 1e-3, 0)[0]
+    assert not compare_response(exp[:2], exp, 1, 1)[0]                       # as many labels as expected
 
 
 def test_response_parser_lengths_chunks_and_split_reads():
@@ -92,8 +92,9 @@ def test_bad_input_cases_per_task():
     assert np.asarray(json.loads(bad["wrong_dtype"].body)).shape == (2, 3)
     with pytest.raises(ValueError):
         json.loads(bad["invalid_json"].body)
-    image = {b.id for b in bad_input_cases("image-classification", [HttpCase("i", "image/png", b"png")], 10)}
-    assert {"undecodable_image", "wrong_content_type", "invalid_json"} <= image
+    image = {b.id: b for b in bad_input_cases("image-classification", [HttpCase("i", "image/png", b"png")], 10)}
+    assert {"undecodable_image", "wrong_content_type", "invalid_json", "truncated_image", "not_base64",
+            "bad_parameter", "decompression_bomb"} <= set(image)
     text = {b.id for b in bad_input_cases("text-embedding", [HttpCase("s", "application/json", b"{}")], 10)}
     assert {"wrong_type", "wrong_content_type", "invalid_json"} <= text
     with pytest.raises(ValueError, match="unknown task"):
