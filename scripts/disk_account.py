@@ -3,10 +3,13 @@ checkpoint's weights, and a check that every cached output really is linked into
 
 DVC may leave workspace files as copies of their cache entries (treeverse/dvc#10549: a link type it
 could not use first); the check counts cached output files with a single name, relinks them with
-`dvc checkout --relink` when there are any, and counts again. Writes metrics/disk.json:
+`dvc checkout --relink` when there are any, and counts again. The ONNX export cache outside the
+clone (pipeline/build/variants/export_cache.py: $PIPELINE_CACHE_DIR/onnx-export) counts too when a
+run left entries there. Writes metrics/disk.json:
 
-    {"checkpoint_weight_bytes", "workspace_on_disk_bytes", "cache_extra_bytes", "total_on_disk_bytes",
-     "ratio_to_checkpoint", "unlinked_files": {"before", "after"}, "relinked", "outputs": {path: bytes}}
+    {"checkpoint_weight_bytes", "workspace_on_disk_bytes", "cache_extra_bytes", "export_cache_bytes",
+     "export_cache_dir", "total_on_disk_bytes", "ratio_to_checkpoint", "unlinked_files": {"before", "after"},
+     "relinked", "outputs": {path: bytes}}
 
 Usage: python scripts/disk_account.py [--repo DIR] [--no-relink]
 """
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     repo = args.repo.resolve()
 
     from pipeline.build.disk_plan import dvc_cache_settings, weight_bytes
+    from pipeline.build.variants.export_cache import cache_root
     from pipeline.core.disk import footprint
     from pipeline.core.params import checkpoint_path, load_params
 
@@ -75,21 +79,26 @@ def main(argv: list[str] | None = None) -> int:
 
     seen: set = set()
     per_output = {str(p.relative_to(repo)): footprint([p], seen).on_disk_bytes for p in outs}
-    uncached = [p for p in (repo / "artifacts", repo / "metrics", repo / "reports") if p.exists()]
+    # .scratch/: serve_check's reference archives, there only if a killed run left them
+    uncached = [p for p in (repo / "artifacts", repo / "metrics", repo / "reports", repo / ".scratch") if p.exists()]
     workspace = sum(per_output.values()) + footprint(uncached, seen).on_disk_bytes
     cache_dir, _types = dvc_cache_settings(repo)
     cache_extra = footprint([cache_dir], seen).on_disk_bytes if cache_dir.exists() else 0
+    export_dir = cache_root()
+    export_cache = footprint([export_dir], seen).on_disk_bytes if export_dir.exists() else 0
     weights = weight_bytes(checkpoint_path(load_params(repo / "params.yaml")))
-    total = workspace + cache_extra
+    total = workspace + cache_extra + export_cache
     rec = {"checkpoint_weight_bytes": weights, "workspace_on_disk_bytes": workspace,
-           "cache_extra_bytes": cache_extra, "total_on_disk_bytes": total,
+           "cache_extra_bytes": cache_extra, "export_cache_bytes": export_cache, "export_cache_dir": str(export_dir),
+           "total_on_disk_bytes": total,
            "ratio_to_checkpoint": round(total / weights, 2) if weights else None,
            "unlinked_files": {"before": before, "after": after}, "relinked": relinked,
            "outputs": per_output}
     out = repo / "metrics" / "disk.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rec, indent=2) + "\n")
-    print(f"disk: {total / 2**30:.2f} GB on disk (workspace {workspace / 2**30:.2f} + cache {cache_extra / 2**30:.2f}), "
+    print(f"disk: {total / 2**30:.2f} GB on disk (workspace {workspace / 2**30:.2f} + cache {cache_extra / 2**30:.2f}"
+          f" + ONNX export cache {export_cache / 2**30:.2f}), "
           f"{rec['ratio_to_checkpoint']}x the checkpoint's weights; unlinked cached files {before} -> {after}")
     return 0 if after == 0 else 1
 

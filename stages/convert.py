@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +30,29 @@ def disk_plan_of(params):
     cache, types = dvc_cache_settings(REPO_ROOT)
     return plan_run(weight_bytes(checkpoint_path(params)), params.variants, REPO_ROOT, cache, default_scratch(),
                     cache_root(), types, already_built=built_variants(VARIANTS_DIR, params.variants))
+
+
+def convert_sharing_the_export(variant: str, params, convert):
+    """`convert()` with the ONNX export cache kept only for the builds that read it again
+    (pipeline/build/variants/export_cache.py): an ONNX variant's build is told which other ONNX
+    variants of this run may read its export, and takes its own mark off every entry when it ends.
+    Housekeeping outside the outputs: the converted files never depend on it."""
+    from pipeline.build.disk_plan import ONNX_VARIANTS
+    from pipeline.build.variants import export_cache
+    if variant not in ONNX_VARIANTS:
+        return convert()
+    before = os.environ.get(export_cache.READERS_ENV)
+    os.environ[export_cache.READERS_ENV] = ",".join(export_cache.reader_id(v) for v in params.variants
+                                                    if v in ONNX_VARIANTS and v != variant)
+    try:
+        return convert()          # the build's process inherits the environment
+    finally:
+        if before is None:
+            os.environ.pop(export_cache.READERS_ENV, None)
+        else:
+            os.environ[export_cache.READERS_ENV] = before
+        for entry in export_cache.finished(export_cache.reader_id(variant)):
+            log.info("ONNX export cache: removed %s (no later build of this run reads it)", entry)
 
 
 def is_disk_full(reason: str) -> bool:
@@ -57,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             log.error("%s", plan.message())
             return 2
     log.info("converting %s (timeout %s s) into %s", args.variant, params.conversion.timeout_s, out)
-    record = convert_isolated(args.variant, out, args.golden, params.conversion.timeout_s,
-                              dtype=dtype, tol=tolerance_for(params, dtype))
+    record = convert_sharing_the_export(args.variant, params, lambda: convert_isolated(
+        args.variant, out, args.golden, params.conversion.timeout_s, dtype=dtype, tol=tolerance_for(params, dtype)))
     v = record.get("verification") or {}
     figures = ", ".join(f"{o['name']}: max_abs {o['max_abs']:.3g} min_cos {o['min_cosine']:.6f}"
                         for o in v.get("outputs", []))

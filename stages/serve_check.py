@@ -2,11 +2,14 @@
 
     python -m stages.serve_check
 
-Reads artifacts/model_store/<name>.mar + artifacts/serve/config.properties, the baseline
-artifacts/baseline/{<name>.mar, config.properties} and artifacts/golden/http_cases.json; writes
-metrics/serve_check.json, with the winner, the hand-tuned reference (artifacts/handtuned/) and the
-baseline measured again in interleaved rounds (`references`). Exits non-zero when the model never becomes READY, HTTP parity fails,
-a request is lost or gets a 5xx, or bad input is not rejected cleanly.
+Reads artifacts/model_store/<name>.mar + artifacts/serve/config.properties, the references' recipes
+artifacts/baseline/ and artifacts/handtuned/ and artifacts/golden/http_cases.json; writes
+metrics/serve_check.json, with the winner, the hand-tuned reference and the baseline measured again
+in interleaved rounds (`references`). The references' .mar files exist only while this stage runs:
+packed from their recipes into a scratch directory (.scratch/ on the workspace's filesystem, where
+they used to be kept) before the first server starts, removed when the stage ends, by an error too
+(pipeline/serve/reference_archives.py). Exits non-zero when the model never becomes READY, HTTP
+parity fails, a request is lost or gets a 5xx, or bad input is not rejected cleanly.
 """
 from __future__ import annotations
 
@@ -16,13 +19,15 @@ import sys
 from typing import Optional
 
 from pipeline.core.params import ParamsError, as_dict, load_params
-from pipeline.core.paths import (BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SERVE_CHECK_JSON, SERVE_DIR,
-                                 benchmark_json, variant_dir)
+from pipeline.core.paths import (BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SCRATCH_DIR, SERVE_CHECK_JSON,
+                                 SERVE_DIR, benchmark_json, variant_dir)
 from pipeline.core.numbers import rounded
+from pipeline.serve.archive import ArchiveError
 from pipeline.serve.load import LOAD_KIND
 from pipeline.serve.ceiling import (CEILING, CEILING_EMPTY, ceiling_spec, model_alone_rps, served_bound,
                                     served_size_answer, served_variant)
 from pipeline.serve.http_cases import load_http_cases, tolerance_from_mar
+from pipeline.serve.reference_archives import RECIPE, build_reference, scratch_dir
 from pipeline.serve.serve_check import ServerSpec, serve_check
 from pipeline.serve.server_floor import measure_server_floor, readiness_vs_floor
 from pipeline.serve.startup_check import startup_evidence
@@ -56,14 +61,9 @@ def main(argv=None) -> int:
         tol = as_dict(params.conversion.tolerances["float32"])
         log.warning("%s has no provenance.json tolerance; using the float32 tolerance %s", mar, tol)
     sc = params.serve_check
-    baseline = None
-    if sc.baseline:
-        if (BASELINE_DIR / f"{name}.mar").is_file():
-            baseline = ServerSpec(name, BASELINE_DIR, BASELINE_DIR / "config.properties")
-        else:
-            log.error("%s is missing; run the archive stage, or set serve_check.baseline: false",
-                      BASELINE_DIR / f"{name}.mar")
-            return 2
+    if sc.baseline and not (BASELINE_DIR / RECIPE).is_file():
+        log.error("%s is missing; run the archive stage, or set serve_check.baseline: false", BASELINE_DIR / RECIPE)
+        return 2
     derivation_path = SERVE_DIR / "derivation.json"
     derivation = json.loads(derivation_path.read_text()) if derivation_path.is_file() else None
     form = form_of(derivation)
@@ -75,16 +75,29 @@ def main(argv=None) -> int:
         log.error("%s is missing (derivation.json chose the %s store form); re-run the archive stage",
                   MODEL_STORE / store_entry(name, form), form)
         return 2
-    alternate = next((spec for f, spec in forms.items() if f != form), None)
-    # The server's own floor, measured first, as the model is served (pipeline/serve/server_floor.py):
-    # READY is judged against floor + raw read of the artifact.
-    floor = measure_server_floor(workers=workers_in_derivation(derivation), config=config, env=env)
-    record = serve_check(forms[form], baseline, cases, task=params.model.task,
-                         atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,
-                         concurrency=sc.concurrency, time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s, alternate=alternate,
-                         store_form=form, startup=startup_evidence(derivation))
-    if record["ok"]:
-        record["references"] = references(params, forms[form], baseline, record, cases)
+    handtuned = handtuned_setup(params)
+    with scratch_dir(SCRATCH_DIR) as scratch:
+        try:
+            built = build_references(params, handtuned, scratch)
+        except (ArchiveError, OSError) as e:
+            log.error("could not pack the references' archives in %s: %s", scratch, e)
+            return 2
+        baseline = ServerSpec(name, built["baseline"].store, built["baseline"].config) if "baseline" in built else None
+        alternate = next((spec for f, spec in forms.items() if f != form), None)
+        # The server's own floor, measured first, as the model is served (pipeline/serve/server_floor.py):
+        # READY is judged against floor + raw read of the artifact.
+        floor = measure_server_floor(workers=workers_in_derivation(derivation), config=config, env=env)
+        record = serve_check(forms[form], baseline, cases, task=params.model.task,
+                             atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,
+                             concurrency=sc.concurrency, time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s,
+                             alternate=alternate,
+                             store_form=form, startup=startup_evidence(derivation))
+        if record["ok"]:
+            record["references"] = references(params, forms[form], baseline, record, cases, handtuned,
+                                              built.get("handtuned"))
+    record["reference_archives"] = {"scratch": str(scratch), "removed": not scratch.exists(),
+                                    **{k: b.as_record(BASELINE_DIR if k == "baseline" else HANDTUNED_DIR)
+                                       for k, b in built.items()}}
     record["server_floor"] = floor
     if record["ready"]:
         raw_read_ms = (((derivation or {}).get("startup_timeout_s") or {}).get("inputs") or {}).get("raw_read_ms")
@@ -103,20 +116,38 @@ def main(argv=None) -> int:
     return 0
 
 
-def references(params, winner: ServerSpec, baseline, record: dict, cases) -> dict:
-    """Winner, hand-tuned reference (artifacts/handtuned/) and baseline in interleaved rounds
-    (pipeline/serve/reference_rounds.py); the checks already run count as round 1."""
+def handtuned_setup(params) -> dict:
+    """handtuned.json of the archive stage, or why the hand-tuned reference is not served."""
     from pipeline.serve.handtuned import read_handtuned
+    name = params.model.name
+    if not params.serve_check.handtuned:
+        return {"available": False, "reason": "serve_check.handtuned is false"}
+    handtuned = read_handtuned(HANDTUNED_DIR)
+    if handtuned.get("available") and handtuned.get("model") != name:
+        return {"available": False, "reason": f"{HANDTUNED_DIR} holds model {handtuned.get('model')!r}, not "
+                                              f"{name!r}: re-run the archive stage"}
+    return handtuned
+
+
+def build_references(params, handtuned: dict, scratch) -> dict:
+    """The references' .mar files packed from their recipes into `scratch` (one model store each)."""
+    built = {}
+    if params.serve_check.baseline:
+        built["baseline"] = build_reference(BASELINE_DIR, scratch / "baseline", params.model.name)
+    if handtuned.get("available"):
+        built["handtuned"] = build_reference(HANDTUNED_DIR, scratch / "handtuned", params.model.name)
+    return built
+
+
+def references(params, winner: ServerSpec, baseline, record: dict, cases, handtuned: dict,
+               handtuned_built=None) -> dict:
+    """Winner, hand-tuned reference (packed from artifacts/handtuned/) and baseline in interleaved
+    rounds (pipeline/serve/reference_rounds.py); the checks already run count as round 1."""
     from pipeline.serve.reference_rounds import interleaved_rounds, ratios
     sc, name = params.serve_check, params.model.name
     specs, first = {"winner": winner}, {"winner": record["winner"]}
-    handtuned = read_handtuned(HANDTUNED_DIR) if sc.handtuned else {"available": False,
-                                                                       "reason": "serve_check.handtuned is false"}
-    if handtuned.get("available") and handtuned.get("model") != name:
-        handtuned = {"available": False, "reason": f"{HANDTUNED_DIR} holds model {handtuned.get('model')!r}, not "
-                                                   f"{name!r}: re-run the archive stage"}
-    if handtuned.get("available"):
-        specs["handtuned"] = ServerSpec(name, HANDTUNED_DIR, HANDTUNED_DIR / "config.properties",
+    if handtuned.get("available") and handtuned_built is not None:
+        specs["handtuned"] = ServerSpec(name, handtuned_built.store, handtuned_built.config,
                                         mar=handtuned.get("mar"), env=start_command_env(1))
     else:
         log.warning("hand-tuned reference not measured: %s", handtuned.get("reason"))

@@ -6,11 +6,18 @@ and which variants to drop to fit. The figures are upper bounds per byte of fp32
 
 - a variant writes its artifact (fp32 ~1x, fp16/bf16 ~0.5x, int8 <= 0.7x: embedding tables stay
   fp32) and, while it builds, a scratch copy (ONNX export, quantizer temp) of up to 1x;
-- the ONNX variants share one export in the export cache (outside the repository);
-- the serving tail writes the winner's .mar and its unpacked folder, the naive baseline's .mar,
-  the hand-tuned reference and the tune stage's served folder;
+- the ONNX variants share one export in the export cache (outside the repository), removed once
+  the last of them is built;
+- the serving tail keeps the winner's .mar (its unpacked folder and the KServe layout are hard links
+  to the variant's and the .mar's bytes) and holds, while it runs, the tune stage's served folder
+  (temp) and serve_check's reference archives (the naive baseline packs the checkpoint, the
+  hand-tuned one the onnx variant with its pre-packed weights; in .scratch/ on the workspace,
+  removed after);
 - DVC's cache adds nothing when outputs are linked into it (same filesystem, hardlink/reflink),
   a second copy of everything otherwise.
+
+What a stage holds only while it runs (a build's scratch, the references' archives) is counted once
+per filesystem, the largest: those stages run one after another.
 """
 from __future__ import annotations
 
@@ -35,8 +42,14 @@ ARTIFACT_FACTOR = {
 SCRATCH_FACTOR = {"onnx-int8-dynamic": (1.05, "workspace"), "onnx-int8-static": (1.05, "workspace"),
                   "aoti": (1.05, "temp")}
 ONNX_VARIANTS = {"onnx", "onnx-fp16", "onnx-int8-dynamic", "onnx-int8-static"}
-# Winner .mar + its unpacked folder + tune's served folder + baseline .mar + hand-tuned ONNX.
-SERVING_TAIL_FACTOR = 5.3
+# Kept: the winner's .mar (its folder form and the KServe layout link the same bytes).
+SERVING_TAIL_FACTOR = 1.05
+# Held while tune runs (temp): the served variant as a folder-form model.
+TUNE_SCRATCH_FACTOR = 1.05
+# Held while serve_check runs (workspace): the naive baseline's .mar (the checkpoint) + the hand-tuned
+# one when `onnx` is built (the onnx variant with ORT's pre-packed weights: 1.54x for XLM-R-large).
+BASELINE_FACTOR = 1.05
+HANDTUNED_FACTOR = 1.6
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".onnx", ".data")
 MARGIN = 1.10
 
@@ -51,6 +64,7 @@ class Need:
     bytes: int
     where: Path          # the directory it is written to
     variant: str | None = None
+    scratch: bool = False  # held only while its stage runs (removed after)
 
 
 @dataclass
@@ -96,8 +110,8 @@ class DiskPlan:
 
     def as_dict(self) -> dict:
         return {"weight_bytes": self.weight_bytes, "ok": self.ok,
-                "needs": [{"what": n.what, "bytes": n.bytes, "where": str(n.where), "variant": n.variant}
-                          for n in self.needs],
+                "needs": [{"what": n.what, "bytes": n.bytes, "where": str(n.where), "variant": n.variant,
+                           "scratch": n.scratch} for n in self.needs],
                 "required_bytes": {str(k): v for k, v in self.required.items()},
                 "free_bytes": {str(k): v for k, v in self.free.items()},
                 "drop": self.drop_suggestion()}
@@ -137,24 +151,28 @@ def plan_run(weights: int, variants: Iterable[str], workspace: Path, cache: Path
         if v in SCRATCH_FACTOR:
             factor, place = SCRATCH_FACTOR[v]
             p.needs.append(Need(f"convert@{v} scratch", int(weights * factor),
-                                workspace if place == "workspace" else scratch, v))
+                                workspace if place == "workspace" else scratch, v, scratch=True))
     if any(v in ONNX_VARIANTS for v in todo):
         p.needs.append(Need("ONNX export cache", int(weights * 1.05), export_cache))
-    p.needs.append(Need("serving tail (archive, tune, references)", int(weights * SERVING_TAIL_FACTOR), workspace))
+    p.needs.append(Need("serving tail (the winner's .mar)", int(weights * SERVING_TAIL_FACTOR), workspace))
+    p.needs.append(Need("tune: the served folder", int(weights * TUNE_SCRATCH_FACTOR), scratch, scratch=True))
+    references = BASELINE_FACTOR + (HANDTUNED_FACTOR if "onnx" in variants else 0.0)
+    p.needs.append(Need("serve_check: the references' archives", int(weights * references), workspace, scratch=True))
+    scratch_needs = [n for n in p.needs if n.scratch]
     if not links_into_cache(workspace, cache, cache_types):
-        total = sum(n.bytes for n in p.needs if n.where == workspace)
+        total = sum(n.bytes for n in p.needs if n.where == workspace and n not in scratch_needs)
         p.needs.append(Need("DVC cache copy of the outputs", total, cache))
-    # The scratch of one build at a time: only the largest counts.
-    scratch_needs = [n for n in p.needs if n.what.endswith("scratch")]
-    peak_scratch = max((n.bytes for n in scratch_needs), default=0)
     for n in p.needs:
+        if n not in scratch_needs:
+            m = mount_point(n.where)
+            p.required[m] = p.required.get(m, 0) + int(n.bytes * MARGIN)
+    # Scratch is held by one stage at a time: per filesystem, only the largest counts.
+    peak: dict = {}
+    for n in scratch_needs:
         m = mount_point(n.where)
-        if n in scratch_needs:
-            continue
-        p.required[m] = p.required.get(m, 0) + int(n.bytes * MARGIN)
-    if peak_scratch:
-        m = mount_point(max(scratch_needs, key=lambda n: n.bytes).where)
-        p.required[m] = p.required.get(m, 0) + int(peak_scratch * MARGIN)
+        peak[m] = max(peak.get(m, 0), n.bytes)
+    for m, b in peak.items():
+        p.required[m] = p.required.get(m, 0) + int(b * MARGIN)
     for m in p.required:
         p.free[m] = shutil.disk_usage(m).free
     return p

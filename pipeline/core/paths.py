@@ -20,9 +20,10 @@ CONFIGURED_DIR = ARTIFACTS / "configured"            # configure: the offline pr
 CONTENDERS = "contenders"                              # configured/contenders/<variant>/: variants tied with the winner
 SERVE_DIR = ARTIFACTS / "serve"                      # tune: config.properties, model-config.yaml, derivation.json, tuning.json
 TUNING_METRICS = METRICS / "tuning.json"             # tune: duration, served verdict, chosen point
-HANDTUNED_DIR = ARTIFACTS / "handtuned"              # archive: the hand-tuned ONNX reference (<name>.mar + config.properties)
+HANDTUNED_DIR = ARTIFACTS / "handtuned"              # archive: the hand-tuned ONNX reference (recipe of <name>.mar + config.properties)
 MODEL_STORE = ARTIFACTS / "model_store"              # archive: <name>.mar
-BASELINE_DIR = ARTIFACTS / "baseline"                # archive: naive <name>.mar + config.properties
+BASELINE_DIR = ARTIFACTS / "baseline"                # archive: the naive baseline (recipe of <name>.mar + config.properties)
+SCRATCH_DIR = REPO_ROOT / ".scratch"                 # serve_check: the references' .mar while served (removed after)
 SERVE_CHECK_JSON = METRICS / "serve_check.json"      # serve_check
 KSERVE_DIR = ARTIFACTS / "kserve"
 

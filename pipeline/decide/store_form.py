@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -62,8 +63,12 @@ def form_of(derivation: Optional[dict]) -> str:
     return check_form(value) if value else "mar"
 
 
-def unpack_mar(mar: Path, folder: Path) -> Path:
-    """`folder` := the `.mar` unpacked (what TorchServe would extract at start), replacing what was there."""
+def unpack_mar(mar: Path, folder: Path, sources: Optional[dict[str, Path]] = None) -> Path:
+    """`folder` := the `.mar` unpacked (what TorchServe would extract at start), replacing what was there.
+
+    `sources`: name in the archive -> the file it was packed from. An entry stored uncompressed whose
+    bytes are that file's (same size and CRC-32) becomes a hard link to it, not a copy: the folder
+    form then takes no room besides the variant it was packed from (a copy where linking fails)."""
     mar, folder = Path(mar), Path(folder)
     if folder.exists():
         shutil.rmtree(folder)
@@ -71,16 +76,41 @@ def unpack_mar(mar: Path, folder: Path) -> Path:
         bad = [n for n in z.namelist() if n.startswith("/") or ".." in Path(n).parts]
         if bad:
             raise ValueError(f"{mar}: entries outside the archive root ({bad[:3]}); refusing to unpack")
-        z.extractall(folder)
+        for info in z.infolist():
+            src = (sources or {}).get(info.filename)
+            if src is not None and not info.is_dir() and _same_bytes(Path(src), info):
+                dst = folder / info.filename
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(src, dst)
+                    continue
+                except OSError:
+                    pass
+            z.extract(info, folder)
     return folder
+
+
+def _same_bytes(src: Path, info: zipfile.ZipInfo, chunk: int = 8 << 20) -> bool:
+    """Whether an uncompressed zip entry holds exactly `src`'s bytes (size, then CRC-32)."""
+    if info.compress_type != zipfile.ZIP_STORED or not src.is_file() or src.stat().st_size != info.file_size:
+        return False
+    crc = 0
+    with open(src, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc == info.CRC
+
+
+def link_or_copy(src: Path, dst: Path) -> Path:
+    """`dst` := a hard link to `src`, or a copy where the filesystem cannot link (another device)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst
 
 
 def link_or_copy_tree(src: Path, dst: Path) -> Path:
     """Copy a folder, hard-linking files where the filesystem allows (no second copy of the weights)."""
-    def link(a, b):
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
-    shutil.copytree(src, dst, copy_function=link)
+    shutil.copytree(src, dst, copy_function=link_or_copy)
     return dst

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import yaml
 
-from pipeline.decide.store_form import form_of, link_or_copy_tree, store_entry
+from pipeline.decide.store_form import form_of, link_or_copy, link_or_copy_tree, store_entry
 
 KSERVE_MOUNT = "/mnt/models"
 KSERVE_MODEL_STORE = f"{KSERVE_MOUNT}/model-store"
@@ -181,7 +181,8 @@ def build_layout(model_name: str, mar: Path, model_config: dict, derivation: Opt
                  storage_uri: Optional[str] = None) -> KServeLayout:
     """Write `out_dir/{config/config.properties, model-store/<name>.mar, inferenceservice.yaml}`; when
     derivation.json chose the folder store form, `model-store/<name>/` (the .mar unpacked, beside it
-    in the model store) instead of the .mar: a pod starts from it without copying the weights."""
+    in the model store) instead of the .mar: a pod starts from it without copying the weights. The
+    model files are hard links to artifacts/model_store's (copies only across filesystems)."""
     form = form_of(derivation)
     folder = mar.parent / store_entry(model_name, "folder")
     if form == "folder" and not (folder / "MAR-INF" / "MANIFEST.json").is_file():
@@ -200,10 +201,11 @@ def build_layout(model_name: str, mar: Path, model_config: dict, derivation: Opt
     props.write_text(kserve_config_properties(model_name, version, values,
                                               mar_name=store_entry(model_name, form)))
     target = out_dir / "model-store" / store_entry(model_name, form)
+    # Links, not copies: the layout's model files are the model store's bytes (a copy only across filesystems).
     if form == "folder":
         link_or_copy_tree(folder, target)
     else:
-        shutil.copyfile(mar, target)
+        link_or_copy(mar, target)
     manifest = out_dir / "inferenceservice.yaml"
     manifest.write_text(inferenceservice_manifest(model_name, storage_uri or STORAGE_URI_PLACEHOLDER.format(name=model_name),
                                                   values))

@@ -1,4 +1,4 @@
-"""Pack the winning variant into a TorchServe .mar, plus the naive baseline .mar for comparison.
+"""Pack the winning variant into a TorchServe .mar, and lay out the naive baseline's for comparison.
 
 The optimised archive (`artifacts/model_store/<name>.mar`, zip-store = uncompressed so a big model
 unpacks fast) holds:
@@ -11,9 +11,10 @@ unpacks fast) holds:
 - `provenance.json`: source checkpoint sha256, variant, verification figures, selection,
   environment, config derivation, git revision, and the sha256 of every other file in the archive.
 
-The baseline (`artifacts/baseline/<name>.mar` + `config.properties`) is the common hand-written
-setup: the original checkpoint, `baseline_handler.py` (eager fp32, no warm-up), no model-config.yaml,
-TorchServe's default settings except `model_store` and `load_models`.
+The baseline is the common hand-written setup: the original checkpoint, `baseline_handler.py`
+(eager fp32, no warm-up), no model-config.yaml, TorchServe's default settings except `model_store`
+and `load_models`. Its files are laid out here (`baseline_packing`); the archive stage keeps them as a
+recipe and serve_check packs the .mar only while it serves it (pipeline/serve/reference_archives.py).
 
 Reproducible: the same inputs give the same archive contents; only MANIFEST.json's createdOn differs.
 Each build stages in its own private temp dir (the archiver rmtree's `$TMPDIR/<model-name>`).
@@ -74,6 +75,30 @@ class ArchiveResult:
     handler: str
     files: dict[str, str] = field(default_factory=dict)   # name in archive -> sha256 (MANIFEST excluded)
     bytes: int = 0
+    # The variant's files by their names in the archive, packed as they are: the unpacked folder links
+    # them. Never the repo's handlers/: a link shares the inode, and DVC makes its cached files read-only.
+    sources: dict[str, Path] = field(default_factory=dict)
+
+
+@dataclass
+class Packing:
+    """What one .mar holds, before torch-model-archiver packs it: the entry handler at the root,
+    `files` by their names in the archive (a source file or generated content), model-config.yaml,
+    and the root entry the manifest names as the model. `contents`: sha256 of every file."""
+    model_name: str
+    entry_handler: Path
+    files: dict[str, Path | bytes]
+    config_file: Optional[Path] = None
+    serialized_file: Optional[str] = None
+    contents: dict[str, str] = field(default_factory=dict)
+    model_files: tuple[str, ...] = ()      # the variant's files: DVC outputs, safe to hard-link to
+
+    def pack(self, export_dir: Path, archive_format: str = "zip-store") -> ArchiveResult:
+        mar = package(self.model_name, self.entry_handler, self.files, export_dir, config_file=self.config_file,
+                      serialized_file=self.serialized_file, archive_format=archive_format)
+        size = mar.stat().st_size if mar.is_file() else 0
+        return ArchiveResult(mar, self.model_name, self.entry_handler.name, dict(self.contents), size,
+                             {k: Path(self.files[k]) for k in self.model_files})
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -256,8 +281,20 @@ def variant_files(folder: Path, variant: dict) -> dict[str, Path]:
 def build_archive(params: Params, *, selection_path: Path, variants_dir: Path, serve_dir: Path,
                   env_path: Path, export_dir: Path, archive_format: str = "zip-store",
                   variant_name: Optional[str] = None) -> ArchiveResult:
-    """The winner's .mar with provenance.json (`variant_name`: another converted variant instead,
-    e.g. the hand-tuned reference's onnx)."""
+    """The winner's .mar with provenance.json (`variant_name`: another converted variant instead)."""
+    packing = archive_packing(params, selection_path=selection_path, variants_dir=variants_dir, serve_dir=serve_dir,
+                              env_path=env_path, archive_format=archive_format, variant_name=variant_name)
+    result = packing.pack(export_dir, archive_format)
+    log.info("archived %s (%s handler) -> %s (%.1f MB)", result.model_name, result.handler, result.path,
+             result.bytes / 1e6)
+    return result
+
+
+def archive_packing(params: Params, *, selection_path: Path, variants_dir: Path, serve_dir: Path,
+                    env_path: Path, archive_format: str = "zip-store",
+                    variant_name: Optional[str] = None) -> Packing:
+    """What the winner's .mar holds, provenance.json included (`variant_name`: another converted
+    variant instead, e.g. the hand-tuned reference's onnx)."""
     name = params.model.name
     selection = _read_json(selection_path, "the select stage's decision")
     winner = variant_name or selection.get("winner")
@@ -280,7 +317,8 @@ def build_archive(params: Params, *, selection_path: Path, variants_dir: Path, s
     derivation = _read_json(derivation_path, "the configure stage's derivation") if derivation_path.exists() else None
 
     entry = HANDLERS_DIR / ENTRY_HANDLERS[family]
-    files: dict[str, Path | bytes] = {**variant_files(folder, variant), **_handler_files(SERVING_MODULES)}
+    model_files = variant_files(folder, variant)
+    files: dict[str, Path | bytes] = {**model_files, **_handler_files(SERVING_MODULES)}
     contents = _digests(files)
     contents[entry.name] = sha256_file(entry)
     contents[MODEL_CONFIG] = sha256_file(config_file)
@@ -304,12 +342,9 @@ def build_archive(params: Params, *, selection_path: Path, variants_dir: Path, s
         "files": contents,
     }
     files[PROVENANCE] = _json_bytes(provenance)
-    mar = package(name, entry, files, export_dir, config_file=config_file,
-                  serialized_file=variant["artifact"], archive_format=archive_format)
-    log.info("archived %s (variant %s, %s handler) -> %s (%.1f MB)", name, winner, family, mar,
-             mar.stat().st_size / 1e6)
-    return ArchiveResult(mar, name, entry.name, {**contents, PROVENANCE: hashlib.sha256(files[PROVENANCE]).hexdigest()},
-                         mar.stat().st_size)
+    return Packing(name, entry, files, config_file=config_file, serialized_file=variant["artifact"],
+                   contents={**contents, PROVENANCE: hashlib.sha256(files[PROVENANCE]).hexdigest()},
+                   model_files=tuple(model_files))
 
 
 def _archiver_version() -> str:
@@ -357,20 +392,16 @@ def baseline_files(params: Params, eager_variant: dict, eager_folder: Path) -> t
     return files, weights
 
 
-def build_baseline(params: Params, *, variants_dir: Path, baseline_dir: Path,
-                   archive_format: str = "zip-store") -> ArchiveResult:
-    """artifacts/baseline/<name>.mar + config.properties (TorchServe defaults + store + load_models)."""
+def baseline_packing(params: Params, *, variants_dir: Path) -> Packing:
+    """What the naive baseline .mar holds (the original checkpoint, baseline.json, the naive handler);
+    its config.properties is TorchServe's defaults + model_store + load_models
+    (pipeline/serve/reference_archives.py writes it)."""
     name = params.model.name
     eager_folder = variants_dir / "eager"
     eager = _read_json(eager_folder / "variant.json", "the eager variant (the baseline's task settings)")
     files, weights = baseline_files(params, eager, eager_folder)
     entry = HANDLERS_DIR / BASELINE_HANDLER
-    mar = package(name, entry, files, baseline_dir, serialized_file=None, archive_format=archive_format)
-    store = baseline_dir.resolve().as_posix()     # forward slashes: java.util.Properties keeps them
-    (baseline_dir / "config.properties").write_text(
-        "# Naive baseline: TorchServe defaults, only what is needed to run.\n"
-        f"model_store={store}\nload_models={name}={mar.name}\n")
     contents = _digests(files)
     contents[entry.name] = sha256_file(entry)
-    log.info("baseline archived %s (source %s, weights %s) -> %s", name, params.model.source, weights, mar)
-    return ArchiveResult(mar, name, entry.name, contents, mar.stat().st_size)
+    log.info("baseline of %s: source %s, weights %s, %d files", name, params.model.source, weights, len(files))
+    return Packing(name, entry, files, contents=contents)

@@ -7,20 +7,24 @@ project's ONNX handler: tokenizers + onnxruntime + numpy), warm-up in initialize
 maxBatchDelay 5 ms, 2 workers × 1 thread. Everything else (timeouts, limits) is the configure
 stage's, so only those four settings differ from a pipeline build of the onnx variant.
 
-Output: artifacts/handtuned/<name>.mar, config.properties, model-config.yaml, handtuned.json (what
-it is, or why it could not be built: e.g. the onnx variant is not in `variants` or failed).
+Output: artifacts/handtuned/ holding the recipe of <name>.mar (pipeline/serve/reference_archives.py:
+recipe.json naming the onnx variant's files, the stored small ones, the handler), config.properties,
+model-config.yaml, and handtuned.json (what it is, or why it could not be built: e.g. the onnx
+variant is not in `variants` or failed). serve_check packs the .mar in a scratch directory while it
+serves it.
 """
 from __future__ import annotations
 
 import json
 import logging
-import tempfile
+import shutil
 from pathlib import Path
 from typing import Optional
 
-from pipeline.serve.archive import ArchiveError, ArchiveResult, build_archive
+from pipeline.serve.archive import ArchiveError, archive_packing
 from pipeline.core.params import Params
 from pipeline.decide.properties import write_config_properties, write_model_config
+from pipeline.serve.reference_archives import Recipe, write_recipe
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +34,16 @@ RECORD = "handtuned.json"
 
 
 def _unavailable(out_dir: Path, reason: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)            # the stage owns the folder: nothing stale survives
+    out_dir.mkdir(parents=True)
     (out_dir / RECORD).write_text(json.dumps({"available": False, "reason": reason}, indent=2) + "\n")
     log.warning("hand-tuned reference not built: %s", reason)
 
 
 def build_handtuned(params: Params, *, selection_path: Path, variants_dir: Path, derivation_dir: Path,
-                    env_path: Path, out_dir: Path) -> Optional[ArchiveResult]:
-    """Build the reference into `out_dir`; None (and handtuned.json saying why) when the onnx
+                    env_path: Path, out_dir: Path) -> Optional[Recipe]:
+    """Write the reference's recipe into `out_dir`; None (and handtuned.json saying why) when the onnx
     variant is not available."""
     conversion = variants_dir / VARIANT / "conversion.json"
     if VARIANT not in params.variants:
@@ -57,21 +63,24 @@ def build_handtuned(params: Params, *, selection_path: Path, variants_dir: Path,
     for key, value in SETTINGS.items():
         derivation[key] = {"value": value, "formula": "hand-tuned reference (shared/reference/measured.md)",
                            "inputs": {}, "overridden": False}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="handtuned-") as tmp:
-        serve = Path(tmp)
-        write_model_config(serve / "model-config.yaml", derivation, source="Hand-tuned reference (measured.md).")
-        result = build_archive(params, selection_path=selection_path, variants_dir=variants_dir, serve_dir=serve,
-                               env_path=env_path, export_dir=out_dir, variant_name=VARIANT)
-    write_model_config(out_dir / "model-config.yaml", derivation, source="Hand-tuned reference (measured.md).")
-    write_config_properties(out_dir / "config.properties", derivation, model_name=params.model.name,
-                            model_store=out_dir.resolve(), source="Hand-tuned reference (measured.md).")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    source = "Hand-tuned reference (measured.md)."
+    # The packed model-config.yaml is the one beside the recipe (out_dir is the archive's serve_dir:
+    # no derivation.json there, so provenance records none, as for every reference build).
+    write_model_config(out_dir / "model-config.yaml", derivation, source=source)
+    packing = archive_packing(params, selection_path=selection_path, variants_dir=variants_dir, serve_dir=out_dir,
+                              env_path=env_path, variant_name=VARIANT)
+    props = write_config_properties(out_dir / "config.properties", derivation, model_name=params.model.name,
+                                    model_store=out_dir.resolve(), source=source)
+    recipe = write_recipe(out_dir, packing, config_properties=props.read_text())  # model_store: set when built
     (out_dir / RECORD).write_text(json.dumps({
-        "available": True, "model": params.model.name, "variant": VARIANT, "settings": SETTINGS, "mar": result.path.name,
+        "available": True, "model": params.model.name, "variant": VARIANT, "settings": SETTINGS, "mar": recipe.mar,
         "what": "ONNX fp32, graph optimised at build time and loaded with optimisations off, torch-free handler, "
                 "warm-up in initialize; batchSize 8, maxBatchDelay 5 ms, 2 workers × 1 thread "
                 "(shared/reference/measured.md)"}, indent=2) + "\n")
-    return result
+    return recipe
 
 
 def read_handtuned(out_dir: Path) -> dict:

@@ -76,7 +76,32 @@ def test_copies_into_the_cache_double_the_workspace_needs(tmp_path):
     linked, copied = plan_run(*args, ["hardlink", "copy"]), plan_run(*args, ["copy"])
     extra = [n for n in copied.needs if n.what.startswith("DVC cache copy")]
     assert not [n for n in linked.needs if n.what.startswith("DVC cache copy")]
-    assert len(extra) == 1 and extra[0].bytes == sum(n.bytes for n in linked.needs if n.where == ws)
+    # What stages hold only while they run (serve_check's reference archives) is no DVC output.
+    assert len(extra) == 1 and extra[0].bytes == sum(n.bytes for n in linked.needs if n.where == ws and not n.scratch)
+    refs, = [n for n in linked.needs if n.what.startswith("serve_check")]
+    assert refs.scratch and refs.where == ws
+
+
+def test_the_references_archives_are_held_only_while_serve_check_runs(tmp_path):
+    """Issue 30: the naive baseline's and the hand-tuned .mar are packed in serve_check's scratch and
+    removed after, the winner's folder form links its variant: the run keeps ~1x for the serving
+    tail, and needs the references' bytes once, at serve_check, not on top of a build's scratch."""
+    from pipeline.build.disk_plan import (BASELINE_FACTOR, HANDTUNED_FACTOR, MARGIN, SCRATCH_FACTOR,
+                                          SERVING_TAIL_FACTOR)
+    ws = tmp_path / "repo"
+    ws.mkdir()
+    w = 100 << 20
+    plan = plan_run(w, ALL, ws, ws / ".dvc" / "cache", ws, ws, ["hardlink"])
+    kept = sum(n.bytes for n in plan.needs if not n.scratch)
+    refs, = [n for n in plan.needs if n.what.startswith("serve_check")]
+    assert refs.scratch and refs.bytes == int(w * (BASELINE_FACTOR + HANDTUNED_FACTOR))
+    assert refs.bytes > max(int(w * f) for f, _ in SCRATCH_FACTOR.values())
+    (mount, need), = plan.required.items()
+    assert need == pytest.approx((kept + refs.bytes) * MARGIN, abs=len(plan.needs))
+    assert [n.bytes for n in plan.needs if n.what.startswith("serving tail")] == [int(w * SERVING_TAIL_FACTOR)]
+    # Without the onnx variant there is no hand-tuned reference to pack.
+    no_onnx = plan_run(w, ["eager", "torchscript"], ws, ws / ".dvc" / "cache", ws, ws, ["hardlink"])
+    assert [n.bytes for n in no_onnx.needs if n.what.startswith("serve_check")] == [int(w * BASELINE_FACTOR)]
 
 
 def test_already_built_variants_add_nothing(tmp_path):

@@ -1,5 +1,5 @@
 """The archive stage: reproducible .mar with provenance, loadable by TorchServe's own model loader
-(and by a real TorchServe), plus the naive baseline archive.
+(and by a real TorchServe), plus the naive baseline archive (its recipe, packed as serve_check packs it).
 
 Stage inputs are built here from the committed tensor example (examples/tensor) and the tiny text
 model of conftest: a TorchScript winner, an eager variant record, selection/config/env records."""
@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.serve.archive import (TASK_FILES, ArchiveError, archive_contents, archive_digests, build_archive, build_baseline,
+from pipeline.serve.archive import (TASK_FILES, ArchiveError, archive_contents, archive_digests, build_archive,
                               sha256_file)
+from pipeline.serve.reference_archives import build_reference, write_baseline
 from pipeline.model.checkpoint import load_model
 from pipeline.core.params import checkpoint_path
 
@@ -192,15 +193,17 @@ def test_archive_loads_in_torchserve_loader_and_matches_baseline(tmp_path, tenso
         want = loaded.module(torch.from_numpy(x)[None])[0].numpy()
     np.testing.assert_allclose(got["out"][0], want, atol=1e-5)
 
-    base = build_baseline(params, variants_dir=inputs["variants_dir"], baseline_dir=tmp_path / "baseline")
-    assert base.path == tmp_path / "baseline" / "signalnet.mar"
-    props = (tmp_path / "baseline" / "config.properties").read_text()
-    assert "load_models=signalnet=signalnet.mar" in props and f"model_store={(tmp_path / 'baseline').as_posix()}" in props
-    names = set(archive_contents(base.path))
+    write_baseline(params, variants_dir=inputs["variants_dir"], baseline_dir=tmp_path / "baseline")
+    assert not list((tmp_path / "baseline").rglob("*.mar"))
+    base = build_reference(tmp_path / "baseline", tmp_path / "scratch", "signalnet")
+    assert base.mar == tmp_path / "scratch" / "signalnet.mar"
+    props = base.config.read_text()
+    assert "load_models=signalnet=signalnet.mar" in props and f"model_store={(tmp_path / 'scratch').as_posix()}" in props
+    names = set(archive_contents(base.mar))
     assert {"baseline_handler.py", "baseline.json", "weights.safetensors", "model.py", "handlers/tasks.py",
             "handlers/encode.py", "handlers/task_tensor.py"} <= names
     assert "model-config.yaml" not in names
-    got_base = load_and_predict(unpack(base.path, tmp_path / "base"), requests)
+    got_base = load_and_predict(unpack(base.mar, tmp_path / "base"), requests)
     assert got_base["status"] == [200, 400, 400]
     np.testing.assert_allclose(got_base["out"][0], got["out"][0], atol=1e-5)
 
@@ -227,13 +230,14 @@ def test_text_baseline_from_hf_folder(tmp_path, text_params):
     """hf source: AutoModel.from_pretrained on the packed folder + the pooling modules.json defines,
     answered in the optimised handler's format."""
     inputs = build_stage_inputs(tmp_path / "artifacts", text_params)
-    base = build_baseline(text_params, variants_dir=inputs["variants_dir"], baseline_dir=tmp_path / "baseline")
-    names = set(archive_contents(base.path))
+    write_baseline(text_params, variants_dir=inputs["variants_dir"], baseline_dir=tmp_path / "baseline")
+    base = build_reference(tmp_path / "baseline", tmp_path / "scratch")
+    names = set(archive_contents(base.mar))
     assert {"config.json", "model.safetensors", "tokenizer.json", "modules.json", "1_Pooling/config.json"} <= names
     mar = build_archive(text_params, export_dir=tmp_path / "store", **inputs).path
     requests = [("the river and the city", "text/plain"), ('{"text": ""}', "application/json")]
     got = load_and_predict(unpack(mar, tmp_path / "opt"), requests)
-    got_base = load_and_predict(unpack(base.path, tmp_path / "base"), requests)
+    got_base = load_and_predict(unpack(base.mar, tmp_path / "base"), requests)
     assert got["status"] == got_base["status"] == [200, 400]
     np.testing.assert_allclose(got_base["out"][0]["embedding"], got["out"][0]["embedding"], atol=1e-5)
 

@@ -1,6 +1,7 @@
 """pipeline/serve/handtuned.py: the hand-tuned reference built from a real onnx variant of the committed
 tensor example (examples/tensor), its four settings over the configure stage's others, the records
-saying why it could not be built, and a real TorchServe serving it as configured."""
+saying why it could not be built, and a real TorchServe serving it as configured. The archive stage
+writes its recipe; the .mar is packed from it as serve_check packs it (pipeline/serve/reference_archives.py)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ import yaml
 from pipeline.model.checkpoint import load_model
 from pipeline.serve.archive import ArchiveError, archive_contents
 from pipeline.serve.handtuned import RECORD, SETTINGS, VARIANT, build_handtuned, read_handtuned
+from pipeline.serve.reference_archives import RECIPE, build_reference
 from pipeline.serve.torchserve_http import read_properties
 from tests.build.test_variants import convert, tensor_case
 from tests.serve.test_archive import build_stage_inputs, tensor_request
@@ -51,15 +53,21 @@ def stage_inputs(tmp_path_factory, tensor_onnx_params):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tensor_onnx_params, stage_inputs):
-    out = tmp_path_factory.mktemp("handtuned_out") / "handtuned"
-    result = build_handtuned(tensor_onnx_params, out_dir=out, **stage_inputs)
-    return result, out
+    root = tmp_path_factory.mktemp("handtuned_out")
+    out = root / "handtuned"
+    recipe = build_handtuned(tensor_onnx_params, out_dir=out, **stage_inputs)
+    assert recipe is not None and recipe.mar == "signalnet.mar"
+    return build_reference(out, root / "scratch", "signalnet"), out
 
 
 def test_the_reference_is_the_onnx_variant_with_four_settings_changed(built, stage_inputs):
     result, out = built
-    assert result is not None and result.path == out / "signalnet.mar"
-    contents = archive_contents(result.path)
+    # The archive stage keeps the recipe, not the .mar: the onnx variant's big files are named where they lie.
+    assert not list(out.rglob("*.mar")) and (out / RECIPE).is_file()
+    recipe = json.loads((out / RECIPE).read_text())
+    assert recipe["handler"] == "onnx_handler.py" and recipe["serialized_file"] == "model.onnx"
+    assert result.mar.name == "signalnet.mar"
+    contents = archive_contents(result.mar)
     manifest = json.loads(contents["MAR-INF/MANIFEST.json"])["model"]
     assert manifest["handler"] == "onnx_handler.py" and manifest["serializedFile"] == "model.onnx"
     assert json.loads(contents["provenance.json"])["variant"] == VARIANT
@@ -73,8 +81,9 @@ def test_the_reference_is_the_onnx_variant_with_four_settings_changed(built, sta
     assert (packed["responseTimeout"], packed["startupTimeout"]) == (KEPT["response_timeout_s"],
                                                                      KEPT["startup_timeout_s"])
     assert packed["handler"]["max_request_bytes"] == KEPT["max_request_bytes"]
-    props = read_properties(out / "config.properties")
-    assert props["load_models"] == "signalnet=signalnet.mar" and props["model_store"] == out.resolve().as_posix()
+    assert "model_store" not in read_properties(out / "config.properties")      # set when it is packed
+    props = read_properties(result.config)
+    assert props["load_models"] == "signalnet=signalnet.mar" and props["model_store"] == result.store.resolve().as_posix()
     assert props["default_workers_per_model"] == str(SETTINGS["workers"])
     assert props["job_queue_size"] == str(KEPT["job_queue_size"])
     # The configure stage's own record is read, never rewritten.
@@ -127,12 +136,11 @@ def test_missing_derivation_is_an_error_and_an_unbuilt_reference_is_reported(tmp
 @pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
 def test_torchserve_serves_the_reference_as_configured(tmp_path, built, tensor_onnx_params):
     from pipeline.serve.torchserve import TorchServe
-    _, out = built
     body, x = tensor_request(tensor_onnx_params, seed=5)
     with torch.no_grad():
         want = load_model(tensor_onnx_params).module(torch.from_numpy(x)[None])[0].numpy()
     # The reference's own config.properties and store, as serve_check starts it.
-    with TorchServe(out / "config.properties", out, "signalnet", workdir=tmp_path / "ts") as ts:
+    with TorchServe(built[0].config, built[0].store, "signalnet", workdir=tmp_path / "ts") as ts:
         d = ts.api.describe_model()
         assert (d["batchSize"], d["maxBatchDelay"]) == (8, 5)
         assert (d["minWorkers"], d["maxWorkers"]) == (2, 2)

@@ -20,7 +20,7 @@ from pipeline.serve.http_cases import HttpCase, load_http_cases, tolerance_from_
 from pipeline.serve.load import ResponseParser, request_bytes, run_load
 from pipeline.serve.parity import check_parity, compare_response
 from pipeline.serve.torchserve import TorchServe
-from tests.serve.test_torchserve import DERIVED, assert_nothing_left, build_mar
+from tests.serve.test_torchserve import DERIVED, DOUBLE_HANDLER, assert_nothing_left, build_mar
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
 
@@ -215,9 +215,9 @@ def test_stage_end_to_end_winner_vs_baseline(tmp_path, monkeypatch):
     derived = {**DERIVED, "max_batch_delay_ms": 20, "startup_timeout_s": 30, "job_queue_size": 1000}
     build_mar(store, "double", {"handler": {"length": 3}}, derivation=derived)
     write_config_properties(serve / "config.properties", derived, model_name="double", model_store=store)
-    # The baseline: same handler, no model-config settings, TorchServe defaults.
-    build_mar(baseline, "double", {"handler": {"length": 3}})
-    (baseline / "config.properties").write_text(f"model_store={baseline}\nload_models=double=double.mar\n")
+    # The baseline: same handler, no model-config settings, TorchServe defaults; its recipe, as the
+    # archive stage writes it (the stage packs the .mar in its scratch dir while it serves it).
+    double_recipe(baseline, "double", {"handler": {"length": 3}}, "load_models=double=double.mar\n")
     golden.mkdir()
     (golden / "http_cases.json").write_text(json.dumps(
         [{"id": c.id, "content_type": c.content_type, "body": c.body.decode(), "expected": c.expected}
@@ -230,11 +230,15 @@ def test_stage_end_to_end_winner_vs_baseline(tmp_path, monkeypatch):
     out = tmp_path / "metrics" / "serve_check.json"
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))
     for name, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("BASELINE_DIR", baseline),
-                        ("GOLDEN_DIR", golden), ("SERVE_CHECK_JSON", out), ("HANDTUNED_DIR", tmp_path / "handtuned")):
+                        ("GOLDEN_DIR", golden), ("SERVE_CHECK_JSON", out), ("HANDTUNED_DIR", tmp_path / "handtuned"),
+                        ("SCRATCH_DIR", tmp_path / "scratch")):
         monkeypatch.setattr(stage, name, value)
 
     assert stage.main([]) == 0
     rec = json.loads(out.read_text())
+    # The baseline's .mar existed only while it was served.
+    assert not (tmp_path / "scratch").exists() and not list(baseline.rglob("*.mar"))
+    assert rec["reference_archives"]["removed"] and rec["reference_archives"]["baseline"]["mar_bytes"] > 0
     for key in ("ready_s", "worker_load_ms", "first_request_ms", "parity_ok", "max_abs_error", "requests_sent",
                 "requests_ok", "errors_5xx", "p50_ms", "p99_ms", "throughput_rps", "batch_sizes_seen",
                 "bad_inputs", "baseline", "ratios"):
@@ -284,7 +288,8 @@ def test_stage_end_to_end_on_real_handlers_and_archive(tmp_path, monkeypatch, te
     pipeline/serve/archive.py (handlers/ torch handler + naive baseline handler), golden cases from
     pipeline/model/golden.py, config from pipeline/decide/properties.py, checked by the stage."""
     import stages.serve_check as stage
-    from pipeline.serve.archive import build_archive, build_baseline
+    from pipeline.serve.archive import build_archive
+    from pipeline.serve.reference_archives import write_baseline
     from pipeline.model.checkpoint import load_model
     from pipeline.model.golden import write_golden
     from tests.serve.test_archive import build_stage_inputs
@@ -293,7 +298,7 @@ def test_stage_end_to_end_on_real_handlers_and_archive(tmp_path, monkeypatch, te
     inputs = build_stage_inputs(art, tensor_params)
     store, baseline, golden = art / "model_store", art / "baseline", art / "golden"
     build_archive(tensor_params, export_dir=store, **inputs)
-    build_baseline(tensor_params, variants_dir=inputs["variants_dir"], baseline_dir=baseline)
+    write_baseline(tensor_params, variants_dir=inputs["variants_dir"], baseline_dir=baseline)
     write_golden(tensor_params, load_model(tensor_params), golden)
     derived = {**DERIVED, "max_batch_delay_ms": 5, "startup_timeout_s": 60, "response_timeout_s": 30,
                "job_queue_size": 1000, "max_request_size": 200000, "max_request_bytes": 200000}
@@ -307,7 +312,7 @@ def test_stage_end_to_end_on_real_handlers_and_archive(tmp_path, monkeypatch, te
     out = tmp_path / "serve_check.json"
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))
     for name, value in (("MODEL_STORE", store), ("SERVE_DIR", inputs["serve_dir"]), ("BASELINE_DIR", baseline),
-                        ("GOLDEN_DIR", golden), ("SERVE_CHECK_JSON", out)):
+                        ("GOLDEN_DIR", golden), ("SERVE_CHECK_JSON", out), ("SCRATCH_DIR", tmp_path / "scratch")):
         monkeypatch.setattr(stage, name, value)
 
     rc = stage.main([])
@@ -319,6 +324,19 @@ def test_stage_end_to_end_on_real_handlers_and_archive(tmp_path, monkeypatch, te
     assert all(400 <= s < 500 for s in rec["bad_inputs"].values()), rec["bad_inputs"]
     assert rec["baseline"]["ready"] and rec["baseline"]["requests_ok"] == 32
     assert_ratios_are_the_recorded_quotients(rec)
+
+
+def double_recipe(folder, name: str, model_config: dict, properties: str) -> None:
+    """The recipe of the double model's .mar (tests/serve/test_torchserve.py) in `folder`."""
+    import yaml
+    from pipeline.serve.archive import Packing
+    from pipeline.serve.reference_archives import write_recipe
+    src = folder.parent / f"src-{folder.name}"
+    src.mkdir(parents=True)
+    (src / "double_handler.py").write_text(DOUBLE_HANDLER)
+    (src / "model-config.yaml").write_text(yaml.safe_dump(model_config, sort_keys=False))
+    write_recipe(folder, Packing(name, src / "double_handler.py", {}, config_file=src / "model-config.yaml"),
+                 config_properties=properties)
 
 
 def assert_ratios_are_the_recorded_quotients(rec: dict) -> None:
@@ -348,7 +366,7 @@ def serve_check_inputs(tmp_path, monkeypatch, name: str, store, serve, golden, d
     out = tmp_path / "serve_check.json"
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))
     for attr, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("GOLDEN_DIR", golden),
-                        ("SERVE_CHECK_JSON", out)):
+                        ("SERVE_CHECK_JSON", out), ("SCRATCH_DIR", tmp_path / "scratch")):
         monkeypatch.setattr(stage, attr, value)
     return out
 

@@ -11,10 +11,18 @@ it, the input/output names, dtypes, example shapes and dynamic axes, the exporte
 this package's export code, and the torch / onnx / onnxscript / transformers versions.
 
 Where: $PIPELINE_CACHE_DIR/onnx-export (default ~/.cache/model-pipeline), outside the repository
-and outside DVC's outputs, like the inductor and Hugging Face caches. An entry is as big as the
-model, so only the newest MAX_ENTRIES are kept. Files are copied in and out, never linked: the ONNX
-steps after the export rewrite their input files in place (fp16 conversion), which must not reach
-the cached copy.
+and outside DVC's outputs, like the inductor and Hugging Face caches. Files are copied in and out,
+never linked: the ONNX steps after the export rewrite their input files in place (fp16 conversion),
+which must not reach the cached copy.
+
+An entry is as big as the model's fp32 weights, and only the run's other ONNX builds read it again,
+so it is kept only for them: the convert stage names them ($PIPELINE_EXPORT_READERS: the other ONNX
+variants of params.yaml `variants`, each tagged with its workspace), the entry holds one mark per
+reader (`.readers/`), each ONNX convert stage removes its own mark when it ends (`finished`, whatever
+its outcome), and the last one removes the entry. A run with one ONNX variant keeps nothing. A
+reader that never comes (its stage did not re-run) leaves its entry behind: at most the newest
+MAX_ENTRIES are kept, and scripts/disk_account.py counts them. Without $PIPELINE_EXPORT_READERS (a
+build outside the convert stage) an entry is kept until evicted.
 """
 from __future__ import annotations
 
@@ -33,6 +41,8 @@ log = logging.getLogger(__name__)
 
 MAX_ENTRIES = 2            # one model's dynamo and legacy exports
 CHUNK = 64 << 20
+READERS = ".readers"       # one empty file per build still to read an entry
+READERS_ENV = "PIPELINE_EXPORT_READERS"
 
 
 def cache_root() -> Path:
@@ -105,11 +115,30 @@ def restore(key: str, dest_dir: Path) -> Optional[list[str]]:
     return names
 
 
-def store(key: str, files: list[Path]) -> None:
+def reader_id(variant: str) -> str:
+    """`variant` in this workspace: the builds of parallel experiments (each in its own workspace)
+    mark and unmark entries apart."""
+    from pipeline.core.params import REPO_ROOT
+    return f"{variant}@{hashlib.sha256(str(REPO_ROOT.resolve()).encode()).hexdigest()[:12]}"
+
+
+def expected_readers() -> Optional[list[str]]:
+    """The builds that will read this run's export again ($PIPELINE_EXPORT_READERS, comma-separated);
+    None when nobody said (keep the entry until evicted)."""
+    raw = os.environ.get(READERS_ENV)
+    return None if raw is None else [r for r in raw.split(",") if r.strip()]
+
+
+def store(key: str, files: list[Path], readers: Optional[list[str]] = None) -> None:
     """Keep copies of `files` under `key` (written aside, then renamed: a reader never sees half an
-    entry), then drop the oldest entries beyond MAX_ENTRIES. Failure to cache never fails a build."""
+    entry) with a mark per reader still to come (`readers`, default `expected_readers()`; none: not
+    kept at all), then drop the oldest entries beyond MAX_ENTRIES. Failure to cache never fails a build."""
+    readers = expected_readers() if readers is None else readers
     root = cache_root()
     entry = root / key
+    if readers is not None and not readers:
+        log.info("ONNX export cache: no other build of this run reads the export; not kept")
+        return
     if entry.is_dir():
         return
     tmp = root / f".tmp-{uuid.uuid4().hex}"
@@ -117,6 +146,10 @@ def store(key: str, files: list[Path]) -> None:
         tmp.mkdir(parents=True)
         for f in files:
             shutil.copyfile(f, tmp / f.name)
+        if readers:
+            (tmp / READERS).mkdir()
+            for r in readers:
+                (tmp / READERS / r).touch()
         tmp.rename(entry)
     except OSError as e:
         log.warning("ONNX export cache: could not keep the export (%s); the next ONNX variant exports again", e)
@@ -126,6 +159,24 @@ def store(key: str, files: list[Path]) -> None:
                      key=lambda p: p.stat().st_mtime, reverse=True)
     for old in entries[MAX_ENTRIES:]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def finished(reader: str) -> list[Path]:
+    """`reader` reads no export again: its mark leaves every entry, and an entry no reader is
+    marked on any more is removed. → the entries removed."""
+    root = cache_root()
+    removed = []
+    if not root.is_dir():
+        return removed
+    for entry in sorted(root.iterdir()):
+        marks = entry / READERS
+        if entry.name.startswith(".tmp-") or not marks.is_dir():
+            continue
+        (marks / reader).unlink(missing_ok=True)
+        if not any(marks.iterdir()):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def cached_export(key: str, dest: Path, export: Callable[[], None], outputs: Callable[[], list[Path]]) -> dict:

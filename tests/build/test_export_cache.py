@@ -1,0 +1,89 @@
+"""The ONNX export cache keeps an export only for the builds of the run that read it again
+(pipeline/build/variants/export_cache.py, stages/convert.py): kept with one mark per reader to come,
+removed when the last one ends, never kept when no other ONNX variant is in the run. The builds
+themselves are stand-ins writing and reading the cache as the ONNX converter does (the real
+converter's reuse is tests/build/test_variants.py)."""
+from __future__ import annotations
+
+import pytest
+
+from pipeline.build.variants import export_cache as ec
+
+ALL_ONNX = ["eager", "onnx", "onnx-fp16", "onnx-int8-dynamic", "onnx-int8-static"]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(ec.READERS_ENV, raising=False)
+    return ec.cache_root()
+
+
+def export_files(tmp_path):
+    raw = tmp_path / "raw.onnx"
+    raw.write_bytes(b"graph" * 1000)
+    data = tmp_path / "raw.onnx.data"
+    data.write_bytes(b"w" * 4096)
+    return [raw, data]
+
+
+def build(variant: str, variants: list[str], tmp_path, key: str = "k1") -> dict:
+    """One convert stage of `variant` in a run of `variants`: the stage's wrapper around a build
+    that restores the export or exports and keeps it."""
+    from stages.convert import convert_sharing_the_export
+
+    class P:
+        pass
+    params = P()
+    params.variants = variants
+    out = tmp_path / variant
+    out.mkdir(parents=True, exist_ok=True)
+
+    def convert():
+        return ec.cached_export(key, out / "raw.onnx", lambda: export_files(out),
+                                lambda: [out / "raw.onnx", out / "raw.onnx.data"])
+    return convert_sharing_the_export(variant, params, convert)
+
+
+def test_a_full_run_keeps_the_export_until_its_last_reader_and_no_longer(cache, tmp_path):
+    first = build("onnx", ALL_ONNX, tmp_path)
+    assert first["reused"] is False
+    marks = sorted(p.name.split("@")[0] for p in (cache / "k1" / ec.READERS).iterdir())
+    assert marks == ["onnx-fp16", "onnx-int8-dynamic", "onnx-int8-static"]
+    assert build("onnx-fp16", ALL_ONNX, tmp_path)["reused"] is True
+    assert build("onnx-int8-dynamic", ALL_ONNX, tmp_path)["reused"] is True
+    assert (cache / "k1").is_dir()
+    assert build("onnx-int8-static", ALL_ONNX, tmp_path)["reused"] is True
+    assert not (cache / "k1").exists()          # nobody reads it again: no copy of the model left behind
+
+
+def test_a_run_with_one_onnx_variant_keeps_nothing(cache, tmp_path):
+    assert build("onnx", ["eager", "onnx", "torchscript"], tmp_path)["reused"] is False
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_a_reader_that_never_exports_still_takes_its_mark_off(cache, tmp_path, monkeypatch):
+    """A variant skipped before its build (onnx-fp16 on a CPU without fp16) reads nothing, but its
+    stage ends: its mark goes, and the export with it once nobody else is to come."""
+    from stages.convert import convert_sharing_the_export
+    run = ["eager", "onnx", "onnx-fp16"]
+    build("onnx", run, tmp_path)
+    assert (cache / "k1").is_dir()
+
+    class P:
+        variants = run
+    assert convert_sharing_the_export("onnx-fp16", P(), lambda: {"status": "skipped"}) == {"status": "skipped"}
+    assert not (cache / "k1").exists()
+
+
+def test_marks_are_per_workspace_and_unmarked_entries_are_left_alone(cache, tmp_path, monkeypatch):
+    ec.store("other-ws", export_files(tmp_path), readers=["onnx-fp16@another-workspace"])
+    ec.store("untracked", export_files(tmp_path), readers=None)       # a build outside the convert stage
+    assert ec.finished(ec.reader_id("onnx-fp16")) == []
+    assert (cache / "other-ws").is_dir() and (cache / "untracked").is_dir()
+    # restore copies the export's files, never the marks
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    assert ec.restore("other-ws", dest) == ["raw.onnx", "raw.onnx.data"]
+    assert ec.finished("onnx-fp16@another-workspace") == [cache / "other-ws"]
+    assert (cache / "untracked").is_dir()
