@@ -75,12 +75,34 @@ class RerankAdapter(TextTaskAdapter):
     def respond(self, outputs, i):
         return [{"index": 0, "score": float(sigmoid(np.asarray(outputs[0][i], dtype=np.float32).reshape(-1)[0]))}]
 
-    def example_requests(self, n, seed=0):
-        # A realistic rerank load: 10-30 candidate texts per query (retrieval's top hits).
+    # The expected rerank load (issue 26): retrieval's top hits for one query, as cross-encoders are used.
+    TEXTS_PER_QUERY = (10, 50)      # candidate passages per request
+    QUERY_WORDS = (5, 15)           # a search query
+    PASSAGE_WORDS = (30, 80)        # a retrieved passage: the pair, not the query, sets the row's length
+
+    def queries(self, n: int, seed: int = 0, texts: int | None = None) -> list[tuple[str, list[str]]]:
+        """`n` deterministic (query, passages) pairs: TEXTS_PER_QUERY passages each (at most
+        max_texts), or exactly `texts` when given."""
         rng = random.Random(seed)
-        requests = []
+        out = []
         for _ in range(n):
-            doc = {"query": self.sentence(rng, 3, 8),
-                   "texts": [self.sentence(rng, 8, 25) for _ in range(min(self.max_texts, rng.randint(10, 30)))]}
-            requests.append((json.dumps(doc).encode("utf-8"), "application/json"))
-        return requests
+            count = texts if texts is not None else rng.randint(*self.TEXTS_PER_QUERY)
+            out.append((self.sentence(rng, *self.QUERY_WORDS),
+                        [self.sentence(rng, *self.PASSAGE_WORDS) for _ in range(min(self.max_texts, count))]))
+        return out
+
+    def example_requests(self, n, seed=0, texts: int | None = None):
+        return [(json.dumps({"query": q, "texts": t}).encode("utf-8"), "application/json")
+                for q, t in self.queries(n, seed, texts)]
+
+    def example_feeds(self, batch_size, seq_len=None):
+        """With `seq_len`: synthetic rows of that length. Without (warm-up, benchmarks): the first
+        `batch_size` rows of the example requests, (query, passage) pairs tokenized and padded to the
+        batch's longest as the handler does, so the offline curve is measured on rows shaped like the
+        served ones (a pair of ~50-110 tokens, not a 16-token sentence)."""
+        if seq_len:
+            return super().example_feeds(batch_size, seq_len)
+        per_request = max(1, min(self.TEXTS_PER_QUERY[0], self.max_texts))
+        rows = [self.row_of(self.encode(query, t))
+                for query, texts in self.queries(-(-batch_size // per_request)) for t in texts]
+        return self.collate(rows[:batch_size])

@@ -6,6 +6,12 @@ ties that float rounding could reorder.
 The tests and the worked examples (examples/<task>/) use it; no network.
 
     python scripts/make_text_task_model.py --task rerank --out artifacts/examples/rerank-model
+
+`--minilm`: MiniLM's REAL encoder (all-MiniLM-L6-v2's weights: 6 layers, 384 wide) under a fresh head
+(the same seed and spread), a model of MiniLM's shape and cost, to measure the pipeline on a
+realistic cross-encoder (its scores rank nothing meaningful: the head is untrained).
+
+    python scripts/make_text_task_model.py --task rerank --minilm --out /tmp/minilm-rerank
 """
 from __future__ import annotations
 
@@ -55,14 +61,42 @@ def build(out: Path, task: str, *, arch: str = "bert", seed: int = 0, init_range
     return out
 
 
+def build_from_minilm(out: Path, task: str, *, seed: int = 0, init_range: float = 0.2) -> Path:
+    """MiniLM's encoder weights with a new `task` head (normal(0, init_range) weights, zero bias)."""
+    import torch
+    import transformers
+    if task not in LABELS:
+        raise SystemExit(f"--task {task!r}: one of {', '.join(LABELS)}")
+    labels = LABELS[task]
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(minilm_folder() / name, out / name)
+    auto = (transformers.AutoModelForTokenClassification if task == "token-classification"
+            else transformers.AutoModelForSequenceClassification)
+    torch.manual_seed(seed)
+    model = auto.from_pretrained(str(minilm_folder()), num_labels=len(labels), id2label=dict(enumerate(labels)),
+                                 label2id={name: i for i, name in enumerate(labels)}).eval()
+    with torch.no_grad():
+        model.classifier.weight.normal_(0.0, init_range)
+        model.classifier.bias.zero_()
+    model.save_pretrained(str(out))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", required=True, choices=sorted(LABELS))
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--arch", default="bert", choices=ARCHITECTURES)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--minilm", action="store_true",
+                    help="MiniLM's real encoder weights (6 layers, 384 wide) under the new head, instead of a tiny "
+                         "random model")
     args = ap.parse_args(argv)
-    print(build(args.out, args.task, arch=args.arch, seed=args.seed))
+    if args.minilm:
+        print(build_from_minilm(args.out, args.task, seed=args.seed))
+    else:
+        print(build(args.out, args.task, arch=args.arch, seed=args.seed))
     return 0
 
 

@@ -21,6 +21,7 @@ from pipeline.core.params import ParamsError, load_params
 from pipeline.core.paths import (BENCHMARK_METRICS, CONFIGURED_DIR, CONTENDERS, ENV_JSON, GOLDEN_DIR, MODEL_STORE,
                             SELECTION_JSON)
 from pipeline.decide.properties import ConfigWriteError, write_serve_files
+from pipeline.decide.rows import rows_of_cases
 from pipeline.decide.selection import tied_contenders
 from pipeline.decide.serve_config import DerivationError, derive_serve_config
 
@@ -72,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         m = params.model
         task = {"kind": m.task, "input_shape": m.input_shape, "max_length": m.text.max_length}
         elements = sample_elements(Path(args.golden))
+        rows = rows_of_cases(Path(args.golden))      # rows per request of the expected load (rerank: many)
+        log.info("expected load: %s rows per request (%s)", rows["rows_per_request"], rows["source"])
         serve = params.serve
         out = Path(args.out)
         model_store = serve.model_store or args.model_store
 
         def propose(variant: str, folder: Path, source: str) -> dict:
             benchmark = _read_json(Path(args.benchmarks_dir) / f"{variant}.json", f"the benchmark of {variant}")
-            derivation = derive_serve_config(benchmark, env, serve, task=task, sample_elements=elements)
+            derivation = derive_serve_config(benchmark, env, serve, task=task, sample_elements=elements, rows=rows)
             folder.mkdir(parents=True, exist_ok=True)
             write_serve_files(folder, derivation, model_name=m.name, serve=serve, model_store=model_store,
                               source=source)
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"configure: error: {e}", file=sys.stderr)
         return 2
     log.info("winner %s on %s", winner, derivation["device"].value)
-    p99 = derivation["max_batch_delay_ms"].inputs.get("batch_p99_ms")
+    dinputs = derivation["max_batch_delay_ms"].inputs
+    p99 = dinputs.get("request_work_ms", dinputs.get("batch_p99_ms"))   # a request's model calls (rerank: several)
     if p99 is not None and p99 + derivation["max_batch_delay_ms"].value > serve.latency_slo_ms:
         print(f"configure: WARNING: batch p99 {p99:.1f} ms + maxBatchDelay {derivation['max_batch_delay_ms'].value} ms "
               f"exceeds serve.latency_slo_ms {serve.latency_slo_ms:g} ms (see selection.json / the overrides)",

@@ -8,6 +8,7 @@ serve.require_slo is true and no variant meets the constraints.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -15,7 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.core.params import ParamsError, load_params
-from pipeline.core.paths import BENCHMARK_METRICS, ENV_JSON, SELECTION_JSON, VARIANTS_DIR
+from pipeline.core.paths import BENCHMARK_METRICS, ENV_JSON, GOLDEN_DIR, SELECTION_JSON, VARIANTS_DIR
+from pipeline.decide.rows import rows_of_cases
 from pipeline.decide.selection import Criteria, SelectionError, check_decision, select
 from pipeline.decide.serve_config import served_workers
 
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--benchmarks-dir", default=str(BENCHMARK_METRICS),
                         help="benchmark records (default: %(default)s)")
     parser.add_argument("--env", default=str(ENV_JSON), help="probed host, for the worker count (default: %(default)s)")
+    parser.add_argument("--golden", default=str(GOLDEN_DIR),
+                        help="golden set, for the rows per request of the load (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
@@ -46,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except ParamsError as e:
         print(f"select: error: {e}", file=sys.stderr)
         return 2
-    criteria = Criteria.from_serve(params.serve)
+    # Judged under the expected load's rows per request (a rerank request is many rows).
+    criteria = dataclasses.replace(Criteria.from_serve(params.serve),
+                                   rows_per_request=rows_of_cases(Path(args.golden))["rows_per_request"])
     conversions = {v: _read(Path(args.variants_dir) / v / "conversion.json") for v in params.variants}
     benchmarks = {v: _read(Path(args.benchmarks_dir) / f"{v}.json") for v in params.variants}
     env = _read(Path(args.env))

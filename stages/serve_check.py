@@ -8,8 +8,11 @@ metrics/serve_check.json, with the winner, the hand-tuned reference and the base
 in interleaved rounds (`references`). The references' .mar files exist only while this stage runs:
 packed from their recipes into a scratch directory (.scratch/ on the workspace's filesystem, where
 they used to be kept) before the first server starts, removed when the stage ends, by an error too
-(pipeline/serve/reference_archives.py). Exits non-zero when the model never becomes READY, HTTP
-parity fails, a request is lost or gets a 5xx, or bad input is not rejected cleanly.
+(pipeline/serve/reference_archives.py). For task rerank, also a rerank load
+(`serve_check.rerank_texts` texts per query from `rerank_clients` clients) in rows/s against the
+model's own offline rows/s at the batches it formed (`rerank_load`). Exits non-zero when the model
+never becomes READY, HTTP parity fails, a request is lost or gets a 5xx, or bad input is not
+rejected cleanly.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from pipeline.serve.ceiling import (CEILING, CEILING_EMPTY, ceiling_spec, model_
                                     served_size_answer, served_variant)
 from pipeline.serve.http_cases import load_http_cases, tolerance_from_mar
 from pipeline.serve.reference_archives import RECIPE, build_reference, scratch_dir
+from pipeline.serve.rerank_load import failures_of, measure_rerank_load, rerank_cases
 from pipeline.serve.serve_check import ServerSpec, serve_check
 from pipeline.serve.server_floor import measure_server_floor, readiness_vs_floor
 from pipeline.serve.startup_check import startup_evidence
@@ -92,6 +96,11 @@ def main(argv=None) -> int:
                              concurrency=sc.concurrency, time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s,
                              alternate=alternate,
                              store_form=form, startup=startup_evidence(derivation))
+        if record["ok"] and params.model.task == "rerank":
+            # Issue 26: rows/s of a rerank load against the model's own rows/s at the batches it formed.
+            record["rerank_load"] = rerank_load(params, forms[form], derivation)
+            record["failures"] += failures_of(record["rerank_load"])
+            record["ok"] = not record["failures"]
         if record["ok"]:
             record["references"] = references(params, forms[form], baseline, record, cases, handtuned,
                                               built.get("handtuned"))
@@ -180,16 +189,43 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases, handtu
     return out
 
 
-def bound_of(name: str, setups: dict, cases: list) -> dict:
-    """Served vs what the server and the model together permit (pipeline/serve/ceiling.py)."""
-    derivation_path = SERVE_DIR / "derivation.json"
-    derivation = json.loads(derivation_path.read_text()) if derivation_path.is_file() else {}
-    batch = ((derivation.get("batch_size") or {}).get("value"))
-    workers = workers_in_derivation(derivation)
+def rerank_load(params, winner: ServerSpec, derivation: Optional[dict]) -> dict:
+    """The winner under `serve_check.rerank_texts` texts per query from `rerank_clients` keep-alive
+    clients: rows/s served, the model's offline rows/s at the batches it formed, their ratio
+    (pipeline/serve/rerank_load.py)."""
+    sc = params.serve_check
+    derivation = derivation or {}
+    batch_rows = _value(derivation, "batch_rows") or _value(derivation, "batch_size") or 1
+    variant, bench = served_benchmark(params.model.name)
+    return measure_rerank_load(winner, rerank_cases(GOLDEN_DIR, sc.rerank_texts), clients=sc.rerank_clients,
+                               requests=sc.requests, time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s,
+                               batch_rows=int(batch_rows), workers=workers_in_derivation(derivation),
+                               benchmark=bench, variant=variant, configured_batch=_value(derivation, "batch_size"))
+
+
+def _value(derivation: dict, key: str):
+    return (derivation.get(key) or {}).get("value") if isinstance(derivation.get(key), dict) else None
+
+
+def served_benchmark(name: str) -> tuple[Optional[str], dict]:
+    """The variant the archive packed and its benchmark record ({} when absent)."""
     variant = served_variant(MODEL_STORE, name)
     bench_path = benchmark_json(variant) if variant else None
-    bench = json.loads(bench_path.read_text()) if bench_path and bench_path.is_file() else {}
-    benchmarked = model_alone_rps(bench, int(batch), workers) if batch else None
+    return variant, (json.loads(bench_path.read_text()) if bench_path and bench_path.is_file() else {})
+
+
+def bound_of(name: str, setups: dict, cases: list) -> dict:
+    """Served vs what the server and the model together permit (pipeline/serve/ceiling.py), in
+    requests/s: the model alone measured in this run on the served requests, else the benchmark's
+    rows/s at the served rows per model call ÷ rows per request (pipeline/decide/rows.py)."""
+    derivation_path = SERVE_DIR / "derivation.json"
+    derivation = json.loads(derivation_path.read_text()) if derivation_path.is_file() else {}
+    batch = _value(derivation, "batch_size")                         # requests per server batch
+    rows = _value(derivation, "batch_rows") or batch                  # rows per model call
+    rows_per_request = float(_value(derivation, "rows_per_request") or 1.0)
+    workers = workers_in_derivation(derivation)
+    variant, bench = served_benchmark(name)
+    benchmarked = model_alone_rps(bench, int(rows), workers, rows_per_request) if rows else None
     measured = measured_model_alone(variant, int(batch), workers) if batch and variant else None
     model = measured if measured and measured.get("value") else benchmarked
     ceiling = (setups.get(CEILING) or {}).get("throughput_rps")

@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             record["build_s"] = round(build_s, 2)
             record["predicted_slo_met"] = selection.get("slo_met")
             configured = _read_json(proposals[chosen] / "derivation.json", f"the proposal for {chosen}")
+            # Units (pipeline/decide/rows.py): throughput_rps, p99 and expected_concurrency count requests;
+            # settings' batch_size is TorchServe's batch in requests, batch_rows the rows per model call.
+            record["rows_per_request"] = float(values(configured).get("rows_per_request") or 1.0)
             if chosen != winner:
                 source = (f"Served winner: {chosen}, which served better beyond the noise than selection's "
                           f"{winner} in TorchServe (SLO {serve.latency_slo_ms:g} ms; see tuning.json).")
@@ -138,11 +141,13 @@ def operating_candidates(params, env: dict, proposal: Path, variant: str) -> tup
     derivation = _read_json(proposal / "derivation.json", f"the proposal for {variant}")
     cores = usable_cores(env)[0] if (benchmark.get("device") or "cpu") == "cpu" else 0   # layouts share CPU cores only
     overridden = frozenset(k for k, v in derivation.items() if isinstance(v, dict) and v.get("overridden"))
+    offline = values(derivation)
     return candidates_from_curve(
-        curve_from_benchmark(benchmark), values(derivation), slo_ms=serve.latency_slo_ms,
+        curve_from_benchmark(benchmark), offline, slo_ms=serve.latency_slo_ms,
         headroom_share=serve.delay_headroom_share, expected_concurrency=serve.expected_concurrency,
         cores=cores, bench_threads=int(benchmark.get("threads") or 1), overridden=overridden,
-        max_candidates=params.tune.max_candidates), benchmark
+        max_candidates=params.tune.max_candidates,
+        rows_per_request=float(offline.get("rows_per_request") or 1.0)), benchmark
 
 
 def run_contest(params, env: dict, proposals: dict, contenders: list[str], cases, settings: TuneSettings,

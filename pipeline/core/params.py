@@ -184,7 +184,8 @@ class BenchmarkParams:
 
 @dataclass(frozen=True)
 class ServeOverrides:
-    batch_size: Optional[int] = None
+    batch_size: Optional[int] = None           # TorchServe's batchSize: requests
+    batch_rows: Optional[int] = None           # rows per model call (a rerank request is many rows)
     max_batch_delay_ms: Optional[int] = None
     workers: Optional[int] = None
     threads_per_worker: Optional[int] = None
@@ -262,6 +263,11 @@ class ServeCheckParams:
     # ...a reference again only while its comparison is undecided: throughput, p99 or READY within
     # this share of parity (0: every round for every setup)
     decided_band: float = 0.25
+    # Task rerank only (issue 26): a load of this many texts per query from this many keep-alive
+    # clients against the winner, its rows/s against the model's own offline rows/s at the batches
+    # the server formed (metrics/serve_check.json `rerank_load`; pipeline/serve/rerank_load.py).
+    rerank_texts: int = 20
+    rerank_clients: int = 4
 
 
 @dataclass(frozen=True)

@@ -213,11 +213,15 @@ def model_config_dict(derivation: dict) -> dict:
     for dkey, ykey in YAML_KEYS.items():
         cfg[ykey] = _native_int(ykey, vals[dkey])
     cfg["deviceType"] = "gpu" if device == "cuda" else "cpu"
+    # Rows per model call: the handler's own setting where a request is many rows (rerank), else it
+    # follows batchSize. The warm-up call runs at that many rows.
+    rows = _native_int("handler.batch_rows", vals.get("batch_rows") or cfg["batchSize"])
     cfg["handler"] = {
         "threads": _native_int("handler.threads", vals["threads_per_worker"]),
         "device": device,
-        "warmup_batch_size": cfg["batchSize"],
+        "warmup_batch_size": rows,
         "max_request_bytes": _native_int("handler.max_request_bytes", vals["max_request_bytes"]),
+        **({"batch_rows": rows} if rows != cfg["batchSize"] else {}),
     }
     return cfg
 

@@ -48,6 +48,7 @@ class Criteria:
     noise_floor: float = 0.03
     delay_headroom_share: float = 0.5
     expected_concurrency: int = 16
+    rows_per_request: float = 1.0       # of the expected load (pipeline/decide/rows.py); not a serve.* key
 
     @classmethod
     def from_serve(cls, serve: Any) -> "Criteria":
@@ -153,10 +154,12 @@ def evaluate(variant: str, conversion: Optional[dict], benchmark: Optional[dict]
 
     # Judged at the point configure will serve it at: same worker count, same batch limit, same delay.
     workers = workers_for(benchmark) if workers_for else 1
+    r = criteria.rows_per_request
     op = choose_operating_point(curve, criteria.latency_slo_ms, objective=criteria.objective,
                                 min_gain=criteria.min_batch_gain, noise_floor=criteria.noise_floor,
                                 headroom_share=criteria.delay_headroom_share, workers=workers,
-                                max_batch=fill_limit(criteria.expected_concurrency, workers))
+                                max_batch=fill_limit(criteria.expected_concurrency, workers, r),
+                                rows_per_request=r, fill_requests=max(1, criteria.expected_concurrency // workers))
     point = next(p for p in curve if p.batch_size == op.batch_size)
     rss, gpu = worker_memory_mb(benchmark, point)
     device = benchmark.get("device") or "cpu"
@@ -171,6 +174,8 @@ def evaluate(variant: str, conversion: Optional[dict], benchmark: Optional[dict]
         "worker_memory_mb": mem, "memory_kind": mem_kind,
         "cold_load_median_ms": cold_med, "cold_load_max_ms": cold_max,
     })
+    if r != 1.0:   # batch_size and throughput_sps are rows; TorchServe's batch is batch_requests requests
+        c.figures.update({"rows_per_request": r, "batch_requests": op.batch_requests})
 
     c.slo_ok = op.fits_slo
     if not op.fits_slo:

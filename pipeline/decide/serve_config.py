@@ -5,8 +5,11 @@ Every value is a `Derived` record — value, formula, the inputs it was computed
 Plain data in (benchmark / env dicts as in docs/artifacts.md, serve params as a dict or ServeParams),
 plain data out; the writers in `pipeline/decide/properties.py` turn the result into files.
 
-The operating point (batch size + batch delay on a latency-vs-batch curve) lives here and is reused
-by `pipeline/decide/selection.py`, so the variant is chosen at exactly the point it will be served at.
+The operating point (batch size + batch delay on a latency-vs-batch curve) comes from
+`pipeline/decide/operating_point.py`, which `pipeline/decide/selection.py` uses too, so the variant is
+chosen at exactly the point it will be served at. Units (`pipeline/decide/rows.py`): `batch_size` is
+TorchServe's batchSize, in requests; `batch_rows` the rows per model call, the curve's batch; for a
+one-row task they are equal.
 """
 from __future__ import annotations
 
@@ -15,6 +18,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pipeline.decide.operating_point import (CurvePoint, OperatingPoint, batch_delay_ms,  # noqa: F401 (re-exported)
+                                             choose_operating_point, fill_limit, noise_between)
+from pipeline.decide.rows import model_calls, multi_row, requests_per_batch
 from pipeline.decide.store_form import choose_store_form
 
 # TorchServe's frontend defaults, used when nothing better is known (torchserve-0.12.md).
@@ -31,42 +37,6 @@ class DerivationError(ValueError):
 
 
 # --------------------------------------------------------------------------- value objects
-@dataclass(frozen=True)
-class CurvePoint:
-    """One measured batch size of the steady-state curve (metrics/benchmark/<v>.json `steady`)."""
-    batch_size: int
-    p50_ms: float
-    p99_ms: float
-    throughput_sps: float
-    cv: float = 0.0                 # per-call coefficient of variation
-    peak_rss_mb: Optional[float] = None
-    peak_gpu_mb: Optional[float] = None
-    noisy: bool = False
-    spread: float = 0.0             # how far the p50s of the rounds (fresh processes) disagree
-
-    @property
-    def noise(self) -> float:
-        """The relative uncertainty of this point's figures: per-call CV or cross-process spread,
-        whichever is larger."""
-        return max(self.cv, self.spread)
-
-
-@dataclass(frozen=True)
-class OperatingPoint:
-    """Where a variant will be served: batch size, batch delay and the figures measured there."""
-    batch_size: int
-    delay_ms: int
-    batch_p99_ms: float
-    request_p99_ms: float           # batch p99 + the batch delay a request may wait
-    throughput_sps: float
-    noise: float                    # the served point's CurvePoint.noise
-    fits_slo: bool
-    steps: list = field(default_factory=list)   # why this batch: one line per measured batch
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
 @dataclass(frozen=True)
 class Derived:
     value: Any
@@ -107,86 +77,6 @@ def curve_from_benchmark(benchmark: dict) -> list[CurvePoint]:
     return sorted(points, key=lambda p: p.batch_size)
 
 
-def noise_between(a: CurvePoint, b: CurvePoint, floor: float) -> float:
-    """Relative difference two throughput figures of ONE variant must exceed to count as real.
-
-    The per-call CV is taken as the uncertainty: deliberately conservative (whole-run means differ
-    by more than their standard error suggests). Not the rounds' spread: a variant's batch sizes
-    were measured in the same rounds, interleaved, so host drift moves them together; the spread
-    matters when comparing variants measured at different times (selection). Independent errors
-    add in quadrature."""
-    return max(floor, math.hypot(a.cv, b.cv))
-
-
-def batch_delay_ms(point: CurvePoint, slo_ms: float, headroom_share: float, workers: int = 1) -> tuple[int, dict]:
-    """maxBatchDelay for a batch: at most a share of the SLO headroom left by its p99, at most the
-    time a batch takes to fill when the workers run at that batch's throughput (waiting longer
-    only adds latency under load), and at least 1 ms (TorchServe turns 0 into 100 ms)."""
-    headroom = slo_ms - point.p99_ms
-    fill_ms = (point.batch_size - 1) * 1000.0 / max(point.throughput_sps * workers, 1e-9)
-    delay = max(1, int(math.floor(min(headroom * headroom_share, fill_ms))))
-    return delay, {"slo_ms": slo_ms, "batch_p99_ms": point.p99_ms, "headroom_ms": round(headroom, 3),
-                   "headroom_share": headroom_share, "fill_ms": round(fill_ms, 3), "workers": workers,
-                   "throughput_sps": point.throughput_sps, "batch_size": point.batch_size}
-
-
-def choose_operating_point(curve: list[CurvePoint], slo_ms: float, *, objective: str = "throughput",
-                           min_gain: float = 0.05, noise_floor: float = 0.03,
-                           headroom_share: float = 0.5, workers: int = 1,
-                           max_batch: Optional[int] = None) -> OperatingPoint:
-    """The batch to serve at.
-
-    max_batch: the largest batch the expected load can fill on every worker at once (`fill_limit`);
-    bigger measured batches are skipped: under that load they would only ever leave partly full,
-    after waiting maxBatchDelay. The smallest measured batch stays a candidate whatever the limit.
-    throughput / cold_load objectives: walk the measured batches upwards; a batch that fits the SLO
-    (p99 + its delay) replaces the current choice only if its throughput beats the CURRENT CHOICE by
-    more than max(min_gain, noise). Comparing with the choice, not the neighbour, handles a
-    non-monotonic curve: 1:100, 2:200, 4:150, 8:205 stays at 2. latency objective: the smallest
-    measured batch with no wait. Nothing fits: the batch with the lowest p99 (fits_slo False)."""
-    steps = []
-
-    def point_at(p: CurvePoint) -> tuple[int, float]:
-        d, _ = batch_delay_ms(p, slo_ms, headroom_share, workers)
-        return d, p.p99_ms + d
-
-    if max_batch is not None:
-        over = [p for p in curve[1:] if p.batch_size > max_batch]
-        if over:
-            steps.append(f"batch {', '.join(str(p.batch_size) for p in over)}: above {max_batch}, the largest batch "
-                         f"the expected concurrent requests fill on each of {workers} worker(s): skipped")
-        curve = curve[:1] + [p for p in curve[1:] if p.batch_size <= max_batch]
-    fitting = []
-    for p in curve:
-        ok = p.p99_ms + 1 <= slo_ms          # with the 1 ms minimum delay
-        if ok:
-            fitting.append(p)
-        else:
-            steps.append(f"batch {p.batch_size}: p99 {p.p99_ms:.1f} ms + 1 ms delay exceeds the SLO {slo_ms:g} ms")
-    if not fitting:
-        best = min(curve, key=lambda p: p.p99_ms)
-        return OperatingPoint(best.batch_size, 1, best.p99_ms, best.p99_ms + 1, best.throughput_sps,
-                              best.noise, False, steps + [f"no batch fits: lowest p99 is batch {best.batch_size}"])
-    if objective == "latency":
-        chosen = fitting[0]
-        d = 1
-        steps.append(f"objective latency: smallest batch {chosen.batch_size}, no wait")
-        return OperatingPoint(chosen.batch_size, d, chosen.p99_ms, chosen.p99_ms + d, chosen.throughput_sps,
-                              chosen.noise, True, steps)
-    chosen = fitting[0]
-    steps.append(f"batch {chosen.batch_size}: fits, {chosen.throughput_sps:.1f} samples/s (start)")
-    for p in fitting[1:]:
-        need = noise_between(chosen, p, max(min_gain, noise_floor))
-        gain = p.throughput_sps / chosen.throughput_sps - 1 if chosen.throughput_sps > 0 else math.inf
-        if gain > need:
-            steps.append(f"batch {p.batch_size}: +{gain:.1%} over batch {chosen.batch_size} > {need:.1%}: taken")
-            chosen = p
-        else:
-            steps.append(f"batch {p.batch_size}: {gain:+.1%} over batch {chosen.batch_size} <= {need:.1%}: not worth it")
-    d, req = point_at(chosen)
-    return OperatingPoint(chosen.batch_size, d, chosen.p99_ms, req, chosen.throughput_sps, chosen.noise, True, steps)
-
-
 def cold_load_ms(benchmark: dict) -> tuple[float, float]:
     """(median, max) of the total cold load in ms; the sum of phase figures when no total was kept."""
     phases = ((benchmark.get("cold_load") or {}).get("phases_ms") or {})
@@ -209,13 +99,6 @@ def worker_memory_mb(benchmark: dict, point: Optional[CurvePoint]) -> tuple[Opti
     rss = (point.peak_rss_mb if point else None) or benchmark.get("peak_rss_mb")
     gpu = point.peak_gpu_mb if point else None
     return (float(rss) if rss is not None else None, float(gpu) if gpu is not None else None)
-
-
-def fill_limit(expected_concurrency: int, workers: int) -> int:
-    """The largest batch every worker can fill at once when `expected_concurrency` requests are in
-    flight: TorchServe splits the queue between its workers, so a bigger batch only ever leaves
-    after maxBatchDelay, part full, and the workers idle while it waits."""
-    return max(1, int(expected_concurrency) // max(1, int(workers)))
 
 
 # --------------------------------------------------------------------------- derivation
@@ -324,8 +207,10 @@ def served_workers(benchmark: dict, env: Optional[dict], serve: Any) -> int:
 
 
 def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optional[dict] = None,
-                        sample_elements: Optional[dict] = None) -> dict[str, Derived]:
-    """All TorchServe settings for the winner. Keys match `serve.overrides.*`."""
+                        sample_elements: Optional[dict] = None, rows: Optional[dict] = None) -> dict[str, Derived]:
+    """All TorchServe settings for the winner. Keys match `serve.overrides.*` (but `device` and
+    `rows_per_request`). rows: the expected load's rows per request (`pipeline.decide.rows.rows_of_cases`);
+    None: one row per request."""
     s = _serve_dict(serve)
     overrides = s.get("overrides") or {}
     slo = float(s["latency_slo_ms"])
@@ -347,32 +232,54 @@ def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optiona
     workers = put("workers", workers_d).value
     put("threads_per_worker", threads_d)
 
-    # ---- batch size
+    # ---- the batch: rows per model call on the curve, then TorchServe's batchSize in requests
     conc = int(s.get("expected_concurrency", 16))
-    max_batch = fill_limit(conc, workers)
+    r = float((rows or {}).get("rows_per_request") or 1.0)
+    many, fill_req = multi_row(r), max(1, conc // max(1, workers))
+    out["rows_per_request"] = Derived(r, "mean model rows per request of the expected load (the golden HTTP cases, "
+                                         "decoded by the task's adapter); 1: one row per request",
+                                      dict(rows or {"source": "not given: one row per request"}))
+    max_batch = fill_limit(conc, workers, r)
     op = choose_operating_point(curve, slo, objective=s.get("objective", "throughput"),
                                 min_gain=s.get("min_batch_gain", 0.05), noise_floor=s.get("noise_floor", 0.03),
                                 headroom_share=s.get("delay_headroom_share", 0.5), workers=workers,
-                                max_batch=max_batch)
-    batch = put("batch_size", Derived(op.batch_size,
-        "largest measured batch with p99 + delay <= SLO and batch <= expected_concurrency // workers whose "
-        "throughput beats the current choice by more than max(min_batch_gain, noise); objective latency: "
-        "smallest batch",
+                                max_batch=max_batch, rows_per_request=r, fill_requests=fill_req)
+    chosen = Derived(op.batch_size,
+        ("largest measured batch (rows per model call) whose model calls for a request (p99 each) + delay <= SLO "
+         "and batch <= expected_concurrency × rows_per_request // workers" if many else
+         "largest measured batch with p99 + delay <= SLO and batch <= expected_concurrency // workers") +
+        " whose throughput beats the current choice by more than max(min_batch_gain, noise); objective latency: "
+        + ("the batch that answers a request soonest" if many else "smallest batch"),
         {"slo_ms": slo, "objective": s.get("objective"), "fits_slo": op.fits_slo,
-         "expected_concurrency": conc, "workers": workers, "max_batch": max_batch, "steps": op.steps,
+         "expected_concurrency": conc, "workers": workers, "max_batch": max_batch, "rows_per_request": r,
+         "steps": op.steps,
          "curve": {p.batch_size: {"p99_ms": p.p99_ms, "throughput_sps": p.throughput_sps, "cv": p.cv,
                                    "spread": p.spread}
-                   for p in curve}})).value
-    point = _point_for(batch, curve)
+                   for p in curve}})
+    if many:
+        batch_rows = put("batch_rows", chosen).value
+        batch = put("batch_size", Derived(requests_per_batch(batch_rows, r, fill_req),
+            "requests (TorchServe's batchSize) whose rows fill one model call: "
+            "max(1, min(floor(batch_rows / rows_per_request), expected_concurrency // workers))",
+            {"batch_rows": batch_rows, "rows_per_request": r, "expected_concurrency": conc, "workers": workers})).value
+    else:
+        batch = put("batch_size", chosen).value
+        batch_rows = put("batch_rows", Derived(batch, "one row per request: = batch_size", {"batch_size": batch})).value
+    point = _point_for(batch_rows, curve)
+    calls = model_calls(batch, r, batch_rows)
 
     # ---- batch delay, now that the number of workers sharing the queue is known
-    if s.get("objective") == "latency" and not overrides.get("batch_size"):
+    if s.get("objective") == "latency" and not overrides.get("batch_size") and not overrides.get("batch_rows"):
         delay, dinputs = 1, {"objective": "latency"}
         dformula = "objective latency: 1 ms (no wait; 0 would become 100 ms)"
     else:
-        delay, dinputs = batch_delay_ms(point, slo, float(s.get("delay_headroom_share", 0.5)), workers)
+        delay, dinputs = batch_delay_ms(point, slo, float(s.get("delay_headroom_share", 0.5)), workers,
+                                        rows_per_request=r, batch_requests=batch)
         if batch == 1:
             dformula = "batch 1: 1 ms (nothing to wait for; 0 would become 100 ms)"
+        elif many:
+            dformula = ("max(1, floor(min(delay_headroom_share × (SLO − model calls × p99(batch_rows)), "
+                        "(batch_size − 1) × rows_per_request × 1000 / (workers × rows/s(batch_rows)))))")
         else:
             dformula = ("max(1, floor(min(delay_headroom_share × (SLO − p99(batch)), "
                         "(batch − 1) × 1000 / (workers × throughput(batch)))))")
@@ -427,11 +334,13 @@ def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optiona
                                                 float(s.get("folder_store_min_mb", 500.0)))
     put("store_form", Derived(form, fformula, finputs))
     rsafety = float(s["response_safety"])
-    rraw = (point.p99_ms * rsafety + delay) / 1000.0
+    rraw = (point.p99_ms * calls * rsafety + delay) / 1000.0
     put("response_timeout_s", Derived(max(int(s["response_floor_s"]), int(math.ceil(rraw))),
-        "max(response_floor_s, ceil((p99(batchSize) × response_safety + maxBatchDelay) / 1000))",
+        "max(response_floor_s, ceil((p99(batchSize) × response_safety + maxBatchDelay) / 1000))" if calls == 1 else
+        "max(response_floor_s, ceil((model calls per batch × p99(batch_rows) × response_safety + maxBatchDelay) / 1000))",
         {"batch_p99_ms": point.p99_ms, "response_safety": rsafety, "max_batch_delay_ms": delay,
-         "response_floor_s": s["response_floor_s"], "unrounded_s": round(rraw, 3)}))
+         "response_floor_s": s["response_floor_s"], "unrounded_s": round(rraw, 3),
+         **({"model_calls": calls} if calls > 1 else {})}))
 
     # ---- queue and size limits
     put("job_queue_size", Derived(max(2 * conc, 2 * workers * batch),

@@ -28,3 +28,19 @@ def make_feeds_factory(model_dir, seq_len: Optional[int] = None):
 def example_feeds(model_dir, batch_size: int, seq_len: Optional[int] = None):
     """Feeds spec for the harness: `pipeline.measure.feeds:example_feeds` (model_dir, batch, seq_len)."""
     return make_feeds_factory(model_dir, seq_len)(batch_size)
+
+
+def describe_feeds(model_dir, batch_sizes, seq_len: Optional[int] = None) -> Optional[dict]:
+    """What a text variant was measured on: tokens per row (padded) at each batch size; None for
+    tasks without input_ids. Rerank rows are (query, passage) pairs of the adapter's example
+    requests, padded to the batch's longest as served (handlers/task_rerank.py)."""
+    make = make_feeds_factory(model_dir, seq_len)
+    padded = {}
+    for b in batch_sizes:
+        ids = make(int(b)).get("input_ids")
+        if ids is None:
+            return None
+        padded[str(b)] = int(ids.shape[1])
+    return {"unit": "rows (one model row per sample)", "seq_len": seq_len,
+            "rows": "synthetic token ids" if seq_len else "the task adapter's example rows",
+            "padded_tokens_per_row": padded}

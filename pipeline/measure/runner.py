@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 from pipeline.measure.cold import DEFAULT_FEEDS, DEFAULT_LOADER, artifact_files, measure_fresh_processes
 from pipeline.host.device import serving_threads
-from pipeline.measure.feeds import read_variant
+from pipeline.measure.feeds import describe_feeds, read_variant
 from pipeline.measure.reference import HostReference, per_reference
 from pipeline.measure.stats import LatencySummary, RepeatedLatency
 from pipeline.measure.steady import RoundSpec
@@ -255,6 +255,9 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
         "processes": budget.as_dict(),
         "duration_s": round(time.monotonic() - started, 2),
     })
+    if feeds == DEFAULT_FEEDS and meta.get("task", {}).get("tokenizer"):
+        # The text a curve was measured on: a rerank row is a (query, passage) pair, not a sentence.
+        record["feeds"] = describe_feeds(model_dir, sorted(int(k) for k in steady), seq_len)
     return record
 
 

@@ -31,7 +31,8 @@ from pipeline.publish import report_sections as sections
 from pipeline.publish.report_inputs import ReportInputs
 from pipeline.publish.report_plots import draw_plots
 from pipeline.publish.report_render import Block, Heading, render_html, render_markdown
-from pipeline.publish.report_serving import quantized_alternative_blocks, startup_blocks, tuning_blocks
+from pipeline.publish.report_serving import (quantized_alternative_blocks, rerank_load_blocks, startup_blocks,
+                                             tuning_blocks)
 from pipeline.publish.report_summary import summary_metrics
 
 
@@ -47,6 +48,7 @@ def build_blocks(inputs: ReportInputs, summary: dict, images: dict[str, Path]) -
             *sections.accuracy_trade_blocks(inputs),
             *sections.plot_blocks(images),
             *sections.serve_check_blocks(inputs),
+            *rerank_load_blocks(inputs),
             *startup_blocks(inputs),
             *sections.stage_cost_blocks(inputs),
             *sections.configuration_blocks(inputs),

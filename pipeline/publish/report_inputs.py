@@ -160,6 +160,20 @@ def serving_batch_size(inputs: ReportInputs) -> Optional[int]:
     return None
 
 
+def serving_batch_rows(inputs: ReportInputs) -> Optional[int]:
+    """Rows per model call the served model runs (model-config.yaml `handler.batch_rows`, else the
+    derivation's `batch_rows`, else batchSize: one row per request): the benchmark curve's batch."""
+    handler = (inputs.model_config or {}).get("handler") or {}
+    if isinstance(handler.get("batch_rows"), int):
+        return handler["batch_rows"]
+    if isinstance(inputs.model_config, dict) and isinstance(inputs.model_config.get("batchSize"), int):
+        return inputs.model_config["batchSize"]
+    entry = (inputs.derivation or {}).get("batch_rows")
+    if isinstance(entry, dict) and isinstance(entry.get("value"), int):
+        return entry["value"]
+    return serving_batch_size(inputs)
+
+
 def model_bytes(inputs: ReportInputs) -> Optional[int]:
     """The reference model's size: the eager variant's artifact (the checkpoint's weights)."""
     eager = inputs.conversions.get("eager") or inputs.benchmarks.get("eager") or {}

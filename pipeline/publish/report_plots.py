@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from pipeline.publish.report_inputs import (ReportInputs, as_number, phase_medians, serving_batch_size, steady_points,
-                                            winner)
+from pipeline.publish.report_inputs import (ReportInputs, as_number, phase_medians, serving_batch_rows,
+                                            serving_batch_size, steady_points, winner)
 
 # Phases of a cold load in the order they happen (metrics/benchmark/<v>.json cold_load.phases_ms).
 LOAD_PHASES = ("import", "read", "deserialize", "to_device", "first_call")
@@ -36,10 +36,12 @@ def _batch_axis(ax, inputs: ReportInputs, benches: dict[str, dict]) -> None:
     if sizes:
         ax.set_xticks(sizes, [str(s) for s in sizes])
         ax.minorticks_off()
-    bs = serving_batch_size(inputs)
-    if bs:
+    bs, rows = serving_batch_size(inputs), serving_batch_rows(inputs)
+    if rows and rows != bs:       # several rows per request: the curve's batch is rows per model call
+        ax.axvline(rows, color="grey", ls=":", lw=1.2, label=f"served {rows} rows per call (batchSize {bs} requests)")
+    elif bs:
         ax.axvline(bs, color="grey", ls=":", lw=1.2, label=f"configured batchSize {bs}")
-    ax.set_xlabel("batch size")
+    ax.set_xlabel("batch size (rows per model call)")
     ax.grid(alpha=0.3)
 
 

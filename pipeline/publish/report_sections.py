@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.publish.report_inputs import (ReportInputs, model_bytes, phase_medians, serving_batch_size, steady_points,
+from pipeline.publish.report_inputs import (ReportInputs, model_bytes, phase_medians, serving_batch_rows, steady_points,
                                             winner)
 from pipeline.publish.report_plots import PLOTS
 from pipeline.publish.report_render import Block, Code, Heading, Image, Para, Table, fmt, fmt_bytes
@@ -29,8 +29,12 @@ def decision_blocks(inputs: ReportInputs, summary: dict) -> list[Block]:
                   f"latency SLO {inputs.latency_slo_ms:g} ms p99: {slo})."))
     if sel.get("message"):
         b.append(Para(str(sel["message"])))
+    rows = summary.get("batch_rows")
+    multi = rows is not None and rows != summary["batch_size"]
     b.append(Table(["serving figure", "value"], [
-        ["batch size", summary["batch_size"]], ["max batch delay (ms)", summary["max_batch_delay_ms"]],
+        ["batch size" + (" (requests, TorchServe's batchSize)" if multi else ""), summary["batch_size"]],
+        *([["rows per model call (handler.batch_rows)", rows]] if multi else []),
+        ["max batch delay (ms)", summary["max_batch_delay_ms"]],
         ["workers", summary["workers"]], ["p99 at that batch, benchmark (ms)", summary["p99_ms"]],
         ["throughput at that batch, benchmark (samples/s)", summary["throughput_sps"]],
         ["cold load, median total (ms)", summary["cold_load_ms"]]]))
@@ -106,7 +110,7 @@ def accuracy_trade_blocks(inputs: ReportInputs) -> list[Block]:
         q = conv.get("quantization") or {}
         thr = dict(steady_points(inputs.benchmarks.get(v) or {}, "throughput_sps"))
         common = sorted(set(thr) & set(ref))
-        bs = serving_batch_size(inputs) if serving_batch_size(inputs) in common else (common[-1] if common else None)
+        bs = serving_batch_rows(inputs) if serving_batch_rows(inputs) in common else (common[-1] if common else None)
         ratio = thr[bs] / ref[bs] if bs is not None and ref.get(bs) else None
         kept = q.get("fp32_ops")
         for name, f in gate.items():

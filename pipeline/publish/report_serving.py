@@ -23,7 +23,9 @@ def _candidate_rows(cands: list[dict]) -> list[list]:
     for c in cands:
         p = c.get("predicted") or {}
         st = c.get("settings") or {}
-        out.append([c.get("name"), f"{st.get('batch_size')} / {st.get('max_batch_delay_ms')} ms / "
+        rows = st.get("batch_rows")
+        batch = f"{st.get('batch_size')}" + (f" req ({rows} rows/call)" if rows and rows != st.get("batch_size") else "")
+        out.append([c.get("name"), f"{batch} / {st.get('max_batch_delay_ms')} ms / "
                     f"{st.get('workers')}×{st.get('threads_per_worker')}",
                     p.get("throughput_rps"), c.get("throughput_rps"), p.get("request_p99_ms"), c.get("p99_ms"),
                     c.get("throughput_spread"), c.get("batches_formed"), c.get("meets_slo")])
@@ -119,7 +121,8 @@ def bound_blocks(inputs: ReportInputs) -> list[Block]:
                    f"on the served requests in server batches of {fmt(alone.get('batch_size'))}")
         else:
             how = (f"{fmt(alone.get('workers'))} worker(s) x the benchmark's {fmt(alone.get('per_process_sps'))} "
-                   f"samples/s at batch {fmt(alone.get('batch_size'))}")
+                   f"samples/s at batch {fmt(alone.get('batch_size'))}"
+                   + (f" rows ÷ {fmt(alone['rows_per_request'])} rows per request" if alone.get("rows_per_request") else ""))
         bench = bound.get("model_alone_benchmark") or {}
         bench_note = (f" (the benchmark stage's figure, synthetic feeds at another hour: {fmt(bench.get('value'))})"
                       if alone.get("measured") and bench.get("value") else "")
@@ -136,6 +139,35 @@ def bound_blocks(inputs: ReportInputs) -> list[Block]:
                    f"in {profile.get('batches')} batches under the check's load), microseconds per request:"),
               Table(["phase", "µs / request", "what"],
                     [[name, profile.get(key), what] for name, key, what in PHASE_ROWS if key in profile])]
+    return b
+
+
+def rerank_load_blocks(inputs: ReportInputs) -> list[Block]:
+    """Task rerank (issue 26): the rerank load's rows/s against the model's own offline rows/s at the
+    batches the server formed (metrics/serve_check.json `rerank_load`, pipeline/serve/rerank_load.py)."""
+    rl = (inputs.serve_check or {}).get("rerank_load")
+    if not rl:
+        return []
+    b: list[Block] = [Heading("Rerank load: rows/s served against the model alone", 3)]
+    if rl.get("error"):
+        return b + [Para(f"Not measured: {rl['error'][:300]}")]
+    off = rl.get("offline") or {}
+    calls = ", ".join(f"{c['calls']} of {c['rows']} rows ({c['from']})" for c in off.get("calls") or [])
+    batches = ", ".join(f"{n} of {k} request(s)" for k, n in sorted((rl.get("batches_formed") or {}).items(),
+                                                                       key=lambda kv: int(kv[0])))
+    b += [Para(f"{rl.get('texts_per_query')} texts per query from {rl.get('clients')} keep-alive clients against the "
+               f"winner: one request is {rl.get('rows_per_request')} model rows. TorchServe formed batches "
+               f"({batches or '–'}) and the handler ran their rows in model calls of at most {rl.get('batch_rows')} "
+               f"rows: {calls or '–'}. Offline = {off.get('formula', '–')}."),
+          Table(["figure", "value"], [
+              ["rows answered / wall (s)", f"{fmt(rl.get('rows_answered'))} / {fmt(rl.get('wall_s'))}"],
+              ["served rows/s", rl.get("served_rows_per_s")],
+              ["served requests/s, p50 / p99 per request (ms)",
+               f"{fmt(rl.get('served_requests_per_s'))}, {fmt(rl.get('p50_ms'))} / {fmt(rl.get('p99_ms'))}"],
+              ["offline rows/s at the served model calls (benchmark)", rl.get("offline_rows_per_s")],
+              [f"served / offline (target ≥ {fmt(rl.get('target'))})",
+               f"**{fmt(rl.get('served_vs_offline'))}**" + ("" if rl.get("meets_target") is None else
+                                                           " (met)" if rl.get("meets_target") else " (NOT met)")]])]
     return b
 
 

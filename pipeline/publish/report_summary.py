@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pipeline.publish.report_inputs import ReportInputs, phase_medians, serving_batch_size, steady_points, winner
+from pipeline.publish.report_inputs import (ReportInputs, phase_medians, serving_batch_rows, serving_batch_size,
+                                            steady_points, winner)
 
 
 def summary_metrics(inputs: ReportInputs) -> dict:
@@ -21,8 +22,9 @@ def summary_metrics(inputs: ReportInputs) -> dict:
     mc = inputs.model_config or {}
     out: dict[str, Any] = {"winner": w, "objective": sel.get("objective"), "slo_met": sel.get("slo_met"),
                            "latency_slo_ms": inputs.latency_slo_ms}
-    bs = serving_batch_size(inputs)
-    out["batch_size"] = bs
+    out["batch_size"] = serving_batch_size(inputs)          # TorchServe's batchSize: requests
+    bs = serving_batch_rows(inputs)                         # rows per model call: the benchmark's batch
+    out["batch_rows"] = bs
     out["max_batch_delay_ms"] = mc.get("maxBatchDelay")
     out["workers"] = mc.get("maxWorkers", mc.get("minWorkers"))
     bench = inputs.benchmarks.get(w) if w else None
@@ -56,7 +58,15 @@ def _serve_check_figures(sc: Optional[dict]) -> dict:
             "p99_ms": sc.get("p99_ms"), "throughput_rps": sc.get("throughput_rps"),
             "errors_5xx": sc.get("errors_5xx"),
             "ratio_load": ratios.get("load"), "ratio_throughput": ratios.get("throughput"),
-            "ratio_p99": ratios.get("p99")}
+            "ratio_p99": ratios.get("p99"), **_rerank_figures(sc.get("rerank_load"))}
+
+
+def _rerank_figures(rl: Optional[dict]) -> dict:
+    """Task rerank: the rerank load's rows/s, the model's offline rows/s at its batches, their ratio."""
+    if not rl:
+        return {}
+    return {"rerank_rows_per_s": rl.get("served_rows_per_s"), "rerank_offline_rows_per_s": rl.get("offline_rows_per_s"),
+            "rerank_vs_offline": rl.get("served_vs_offline")}
 
 
 def served_verdict(inputs: ReportInputs) -> dict:

@@ -16,6 +16,20 @@ from pipeline.serve.http_cases import HttpCase
 from pipeline.serve.parity import concurrently, response_within
 from pipeline.serve.torchserve import Client, TorchServe, read_properties
 
+# The text tasks with a head (handlers/task_*.py): requests their adapters must refuse with a 4xx
+# naming the problem. 10 000 texts pass any sane model.text.max_texts (413 with the cap).
+_LONG = " ".join(["guitar"] * 5000)                 # over any model's max_length in tokens (413)
+TEXT_HEAD_BAD = {
+    "rerank": (("no_texts", {"query": "who plays", "texts": []}), ("missing_query", {"texts": ["a text"]}),
+               ("non_string_text", {"query": "who plays", "texts": ["a text", 3]}),
+               ("too_many_texts", {"query": "who plays", "texts": ["a"] * 10000}),
+               ("query_over_the_limit", {"query": _LONG, "texts": ["a text"]})),
+    "text-classification": (("empty_inputs", {"inputs": []}), ("wrong_type", {"inputs": 42}),
+                            ("too_many_texts", {"inputs": ["a"] * 10000})),
+    "token-classification": (("wrong_type", {"inputs": 42}), ("text_over_the_limit", {"inputs": _LONG})),
+}
+
+
 @dataclass(frozen=True)
 class BadCase:
     id: str
@@ -57,9 +71,13 @@ def bad_input_cases(task: str, cases: list[HttpCase], max_request_size: int) -> 
             bad += [BadCase("wrong_shape", "application/json", json.dumps(wrong).encode()),
                     BadCase("wrong_dtype", "application/json",
                             json.dumps(np.full(shape, "x").tolist()).encode())]
+    elif task in TEXT_HEAD_BAD:
+        bad += [BadCase("invalid_json", "application/json", b'{"inputs": "unterminated'),
+                BadCase("wrong_content_type", "image/png", b"\x89PNG\r\n\x1a\n")]
+        bad += [BadCase(name, "application/json", json.dumps(doc).encode()) for name, doc in TEXT_HEAD_BAD[task]]
     else:
         raise ValueError(f"unknown task {task!r}; bad inputs are defined for image-classification, "
-                         f"text-embedding and tensor")
+                         f"text-embedding, tensor, {', '.join(TEXT_HEAD_BAD)}")
     return bad
 
 

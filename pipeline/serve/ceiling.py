@@ -94,16 +94,24 @@ def served_variant(model_store: Path, name: str) -> Optional[str]:
         return None
 
 
-def model_alone_rps(benchmark: dict, batch_size: int, workers: int) -> Optional[dict]:
+def model_alone_rps(benchmark: dict, batch_size: int, workers: int, rows_per_request: float = 1.0) -> Optional[dict]:
     """The benchmark's steady samples/s at `batch_size` (one process, the serving threads), times the
-    workers that each run one such process; None when that batch size was not measured."""
+    workers that each run one such process; None when that batch size was not measured.
+    `batch_size` is the served model call in rows (derivation `batch_rows`) and the curve is rows/s:
+    with several rows per request (rerank) the value is requests/s = rows/s ÷ rows_per_request, the
+    unit the served rate and the ceiling are in (pipeline/decide/rows.py)."""
     point = (benchmark.get("steady") or {}).get(str(batch_size))
     if not point or not point.get("throughput_sps"):
         return None
     per_process = float(point["throughput_sps"])
-    return {"value": per_process * workers, "per_process_sps": per_process, "batch_size": batch_size,
-            "workers": workers, "threads_per_process": benchmark.get("threads"),
-            "formula": "workers x the benchmark's steady samples/s at the served batch size"}
+    out = {"value": per_process * workers / rows_per_request, "per_process_sps": per_process, "batch_size": batch_size,
+           "workers": workers, "threads_per_process": benchmark.get("threads"),
+           "formula": "workers x the benchmark's steady samples/s at the served batch size"}
+    if rows_per_request != 1.0:
+        out.update(rows_per_request=rows_per_request, rows_per_s=per_process * workers,
+                   formula="workers x the benchmark's steady rows/s at the served rows per model call (batch_rows) "
+                           "/ rows per request: requests/s")
+    return out
 
 
 def served_bound(served_rps: Optional[float], ceiling_rps: Optional[float], model: Optional[dict]) -> dict:

@@ -63,6 +63,9 @@ def build_handtuned(params: Params, *, selection_path: Path, variants_dir: Path,
     for key, value in SETTINGS.items():
         derivation[key] = {"value": value, "formula": "hand-tuned reference (shared/reference/measured.md)",
                            "inputs": {}, "overridden": False}
+    # Its model calls are its batchSize, as a handler that counts requests runs them (rows per call:
+    # pipeline/decide/rows.py), not the derived rows per call.
+    derivation.pop("batch_rows", None)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)

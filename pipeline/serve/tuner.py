@@ -37,8 +37,13 @@ class ServedModel:
         cfg.update(batchSize=c.batch_size, maxBatchDelay=c.delay_ms, minWorkers=c.workers, maxWorkers=c.workers)
         handler = cfg.setdefault("handler", {})
         handler["threads"] = c.threads
+        # Rows per model call (pipeline/decide/rows.py): the handler's own setting only where it
+        # differs from batchSize (a request of many rows); the warm-up runs at that many rows.
+        handler.pop("batch_rows", None)
+        if c.rows != c.batch_size:
+            handler["batch_rows"] = c.rows
         if "warmup_batch_size" in handler:
-            handler["warmup_batch_size"] = c.batch_size
+            handler["warmup_batch_size"] = c.rows
         (self.store / self.folder / "model-config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 

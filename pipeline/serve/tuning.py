@@ -50,7 +50,8 @@ from pipeline.serve.tuner import ServedModel, Tuner
 log = logging.getLogger(__name__)
 
 # The settings a candidate varies, as derivation.json keys (pipeline/decide/serve_config.py).
-TUNED_KEYS = ("batch_size", "max_batch_delay_ms", "workers", "threads_per_worker")
+# batch_size counts requests (TorchServe's batchSize), batch_rows the rows per model call.
+TUNED_KEYS = ("batch_size", "batch_rows", "max_batch_delay_ms", "workers", "threads_per_worker")
 
 
 def progress_bar(total: int, desc: str):
@@ -119,7 +120,7 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
                           predicted_p99_ms=(offline.candidate.predicted or {}).get("request_p99_ms"))
     return {
         "chosen": final.candidate.settings(), "chosen_name": final.candidate.name,
-        "replaced_offline": final.candidate.key()[:4] != offline.candidate.key()[:4],
+        "replaced_offline": final.candidate.point_key() != offline.candidate.point_key(),
         "objective": objective, "settings": dataclasses.asdict(s), "load": LOAD_KIND,
         "candidates": [r.summary(s.latency_slo_ms) for r in phase1],
         "decision_steps": d1["steps"],
@@ -215,7 +216,7 @@ def tuned_derivation(configured: dict, record: dict) -> dict:
                                 "throughput_spread", "batches_formed")} for c in record["candidates"]]
     for key in TUNED_KEYS:
         old = configured.get(key) or {}
-        if old.get("overridden"):
+        if old.get("overridden") or key not in chosen:
             continue        # serve.overrides win over the tuner too
         out[key] = {"value": chosen[key],
                     "formula": ("served in TorchServe with serve.expected_concurrency requests in flight: the "

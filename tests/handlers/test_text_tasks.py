@@ -27,6 +27,7 @@ def loaded(models):
     for task, folder in models.items():
         params = parse_params({"model": {"name": "t", "source": "hf", "checkpoint": str(folder), "task": task,
                                          "text": {"max_length": 64, "max_texts": 12}},
+                               "serve_check": {"rerank_texts": 12},
                                "variants": ["eager"], "benchmark": {"batch_sizes": [1, 4]}})
         lm = load_model(params)
         out[task] = (lm, make_adapter(folder, lm.task))
@@ -147,3 +148,24 @@ def test_text_embedding_takes_a_list_of_texts(text_params):
         single = lm.module(*lm.example_inputs(adapter.collate(one.rows))).numpy()[0]
     assert len(got) == 2 and np.allclose(got[0], single, atol=1e-5)
     assert adapter.respond_request([[single]], one.meta) == {"embedding": single.tolist()}
+
+
+def test_rerank_examples_are_a_realistic_load_and_feed_the_benchmark_served_rows(models):
+    """Issue 26: the golden set / tune load is 10-50 passages of 30-80 words per 5-15-word query, and the
+    benchmark's offline feeds are those rows (query-passage pairs, padded to the batch's longest)."""
+    adapter = make_adapter(models["rerank"], {"kind": "rerank", "max_length": 128, "max_texts": 64})
+    docs = [json.loads(body) for body, _ in adapter.example_requests(40)]
+    assert all(10 <= len(d["texts"]) <= 50 for d in docs) and len({len(d["texts"]) for d in docs}) > 5
+    assert all(5 <= len(d["query"].split()) <= 15 for d in docs)
+    assert all(30 <= len(t.split()) <= 80 for d in docs for t in d["texts"])
+    assert {len(json.loads(b)["texts"]) for b, _ in adapter.example_requests(5, seed=3, texts=20)} == {20}
+    # Benchmark feeds: the first rows of the example requests, exactly as the handler collates them.
+    first = adapter.decode_request(adapter.example_requests(1)[0][0], "application/json").rows
+    feeds = adapter.example_feeds(8)
+    want = adapter.collate(first[:8])
+    assert all(np.array_equal(feeds[k], want[k]) for k in want)
+    tokens = feeds["attention_mask"].sum(axis=1)
+    assert tokens.min() >= 35 and feeds["input_ids"].shape[1] == tokens.max()   # a pair, not a 16-token sentence
+    assert adapter.example_feeds(4, seq_len=24)["input_ids"].shape == (4, 24)     # synthetic when asked
+    # More rows than one request holds: the next request's rows follow.
+    assert adapter.example_feeds(70)["input_ids"].shape[0] == 70

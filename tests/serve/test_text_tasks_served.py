@@ -38,6 +38,7 @@ def serve_task(root: Path, task: str, folder: Path):
 
     params = parse_params({"model": {"name": f"tiny-{task}", "source": "hf", "checkpoint": str(folder), "task": task,
                                      "text": {"max_length": 64, "max_texts": 12}},
+                           "serve_check": {"rerank_texts": 12},
                            "variants": ["eager"], "benchmark": {"batch_sizes": [1, 4]},
                            "conversion": {"golden_batches": 2}})
     art = root / "artifacts"
