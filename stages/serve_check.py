@@ -197,7 +197,12 @@ def rerank_load(params, winner: ServerSpec, derivation: Optional[dict]) -> dict:
     derivation = derivation or {}
     batch_rows = _value(derivation, "batch_rows") or _value(derivation, "batch_size") or 1
     variant, bench = served_benchmark(params.model.name)
-    return measure_rerank_load(winner, rerank_cases(GOLDEN_DIR, sc.rerank_texts), clients=sc.rerank_clients,
+    # A query over the served cap (model.text.max_texts) would only be answered 413.
+    texts = min(sc.rerank_texts, params.model.text.max_texts)
+    if texts < sc.rerank_texts:
+        log.warning("rerank load: %d texts per query, not serve_check.rerank_texts %d: the served cap "
+                    "model.text.max_texts is %d", texts, sc.rerank_texts, params.model.text.max_texts)
+    return measure_rerank_load(winner, rerank_cases(GOLDEN_DIR, texts), clients=sc.rerank_clients,
                                requests=sc.requests, time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s,
                                batch_rows=int(batch_rows), workers=workers_in_derivation(derivation),
                                benchmark=bench, variant=variant, configured_batch=_value(derivation, "batch_size"))

@@ -201,10 +201,6 @@ def check_serve_check(p: Params) -> None:
          "a ratio >= 0, e.g. 0.25 (0: every round for every setup)"),
         ("rerank_clients", sc.rerank_clients, sc.rerank_clients >= 1, "an integer >= 1 (keep-alive clients)"),
         ("rerank_texts", sc.rerank_texts, sc.rerank_texts >= 1, "an integer >= 1 (texts per rerank query)")))
-    if p.model.task == "rerank" and sc.rerank_texts > p.model.text.max_texts:
-        raise bad_value("serve_check.rerank_texts", sc.rerank_texts,
-                        f"at most model.text.max_texts ({p.model.text.max_texts}): a request with more texts is "
-                        f"answered 413; lower it or raise the cap")
 
 
 # Run in this order, the first failing check's error the one reported: a params file with several

@@ -119,11 +119,13 @@ def test_tune_candidates_carry_rows_and_predict_requests_per_second():
     assert "(32 rows per model call)" in cands[1].describe()
 
 
-def test_rerank_texts_must_fit_the_cap_for_a_rerank_model():
+def test_rerank_load_params_are_checked():
+    # A default rerank_texts over a smaller served cap is not an error: serve_check's load is capped.
     base = {"model": {"name": "r", "source": "hf", "checkpoint": "x", "task": "rerank",
                       "text": {"max_texts": 12}}, "variants": ["eager"]}
-    with pytest.raises(ParamsError, match="serve_check.rerank_texts"):
-        parse_params(base)
+    assert parse_params(base).serve_check.rerank_texts == 20
+    with pytest.raises(ParamsError, match="rerank_texts"):
+        parse_params({**base, "serve_check": {"rerank_texts": 0}})
     assert parse_params({**base, "serve_check": {"rerank_texts": 12, "rerank_clients": 4}}).serve_check.rerank_texts == 12
     with pytest.raises(ParamsError, match="rerank_clients"):
         parse_params({**base, "serve_check": {"rerank_texts": 12, "rerank_clients": 0}})

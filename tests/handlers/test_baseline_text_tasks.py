@@ -1,5 +1,5 @@
 """The naive baseline (handlers/baseline_handler.py) on every text task, packed by the archive stage
-(`build_baseline`) and run by TorchServe's own model loader with the repo off sys.path: requests that
+(`write_baseline` + `build_reference`, as serve_check packs it) and run by TorchServe's own model loader with the repo off sys.path: requests that
 make many model rows (a rerank query, a list of texts to embed or classify) are answered whole, in
 the clients' formats, equal to transformers' own pipelines on the same model (labels, order, entity
 words and offsets exactly, scores within 0.01); bad requests get their 4xx beside them."""
@@ -12,7 +12,8 @@ import pytest
 
 from handlers.tasks import make_adapter
 from pipeline.model.checkpoint import load_model
-from pipeline.serve.archive import archive_contents, build_baseline
+from pipeline.serve.archive import archive_contents
+from pipeline.serve.reference_archives import build_reference, write_baseline
 from tests.handlers.text_task_models import (CLASSIFY_TEXTS, DOCUMENTS, NER_TEXTS, QUERY, eager_rerank,
                                              make_models, pipeline_of, same_answers)
 from tests.serve.test_archive import build_stage_inputs, load_and_predict, unpack
@@ -28,7 +29,8 @@ def models(tmp_path_factory):
 def baseline_answers(tmp_path, params, requests: list) -> dict:
     """Build the baseline .mar for `params`, unpack it and answer `requests` as ONE TorchServe batch."""
     inputs = build_stage_inputs(tmp_path / "artifacts", params)
-    mar = build_baseline(params, variants_dir=inputs["variants_dir"], baseline_dir=tmp_path / "baseline").path
+    write_baseline(params, variants_dir=inputs["variants_dir"], baseline_dir=tmp_path / "baseline")
+    mar = build_reference(tmp_path / "baseline", tmp_path / "scratch", params.model.name).mar
     assert "baseline_handler.py" in archive_contents(mar)
     wire = [(b if isinstance(b, str) else json.dumps(b), ct) for b, ct in requests]
     return load_and_predict(unpack(mar, tmp_path / "unpacked"), wire)
