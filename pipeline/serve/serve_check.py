@@ -21,6 +21,11 @@ from pipeline.serve.torchserve import ModelNotReady, TorchServe, TorchServeError
 
 log = logging.getLogger(__name__)
 
+# How long a request of the measured load may wait for its answer: TorchServe's default
+# responseTimeout, which the naive baseline runs with (a GB-sized model's baseline answers in ~10 s
+# under 16 clients); the load's time cap only stops new requests.
+ANSWER_WAIT_S = 120.0
+
 
 @dataclass(frozen=True)
 class ServerSpec:
@@ -63,7 +68,8 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
                          {c["id"]: c["status"] for c in out["bad_inputs"]["cases"]})
             if warmup_s > 0:
                 out["warmup"] = _warmup(ts, cases, concurrency, warmup_s)
-            _record_load(ts, spec, run_load(ts, cases, requests, concurrency, time_cap_s), out)
+            _record_load(ts, spec, run_load(ts, cases, requests, concurrency, time_cap_s,
+                                            request_timeout_s=max(time_cap_s, ANSWER_WAIT_S)), out)
     except ModelNotReady as e:
         out.update(ready=False, reason=e.reason, error=str(e), startup_timeout_s=e.startup_timeout_s,
                    waited_s=e.waited_s)
