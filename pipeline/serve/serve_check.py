@@ -81,7 +81,8 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
 
 
 def _warmup(ts: TorchServe, cases: list[HttpCase], concurrency: int, seconds: float) -> dict:
-    w = run_load(ts, cases, 10 ** 9, concurrency, seconds)
+    # Its requests are waited for: one abandoned would still be queued when the measured load starts.
+    w = run_load(ts, cases, 10 ** 9, concurrency, seconds, request_timeout_s=max(seconds, ANSWER_WAIT_S))
     return {"seconds": seconds, "requests_ok": w.requests_ok, "throughput_rps": w.throughput_rps,
             "errors_5xx": w.errors_5xx, "lost": w.lost}
 
