@@ -254,9 +254,10 @@ class ServeCheckParams:
     # ...or no new request after this many seconds: the naive baseline of a GB-sized model answers a
     # few requests a second, and a capped window gives its rate as well as all of them.
     time_cap_s: float = 10.0
-    # Seconds of the same load before the measured one, on every server start: a fresh TorchServe
-    # answers its first thousands of requests at a fraction of its rate (JIT of the frontend).
-    warmup_s: float = 2.0
+    # The same load before the measured one, on every server start, in 1-s windows until two agree
+    # within 5% or this many seconds have passed: a fresh TorchServe answers its first thousands of
+    # requests at a fraction of its rate (JIT of the frontend).
+    warmup_s: float = 10.0
     baseline: bool = True
     handtuned: bool = True                     # also serve the hand-tuned ONNX reference (pipeline/serve/handtuned.py)
     rounds: int = 2                            # winner, hand-tuned and baseline served in interleaved rounds...

@@ -8,6 +8,7 @@ pipeline/serve/parity.py, bad_input.py and load.py.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -25,6 +26,9 @@ log = logging.getLogger(__name__)
 # responseTimeout, which the naive baseline runs with (a GB-sized model's baseline answers in ~10 s
 # under 16 clients); the load's time cap only stops new requests.
 ANSWER_WAIT_S = 120.0
+# The warm-up's windows, and how close two successive windows' rates must be to call it warm.
+WARMUP_WINDOW_S = 1.0
+WARMUP_SETTLED = 0.05
 
 
 @dataclass(frozen=True)
@@ -81,10 +85,18 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
 
 
 def _warmup(ts: TorchServe, cases: list[HttpCase], concurrency: int, seconds: float) -> dict:
-    # Its requests are waited for: one abandoned would still be queued when the measured load starts.
-    w = run_load(ts, cases, 10 ** 9, concurrency, seconds, request_timeout_s=max(seconds, ANSWER_WAIT_S))
-    return {"seconds": seconds, "requests_ok": w.requests_ok, "throughput_rps": w.throughput_rps,
-            "errors_5xx": w.errors_5xx, "lost": w.lost}
+    """The same load in windows of WARMUP_WINDOW_S until a window's rate is within WARMUP_SETTLED of
+    the one before (the server has stopped speeding up), or `seconds` have passed."""
+    t0, windows = time.perf_counter(), []
+    while True:
+        # Its requests are waited for: one abandoned would still be queued when the measured load starts.
+        w = run_load(ts, cases, 10 ** 9, concurrency, WARMUP_WINDOW_S, request_timeout_s=ANSWER_WAIT_S)
+        windows.append(w.throughput_rps or 0.0)
+        settled = len(windows) >= 2 and windows[-2] > 0 and abs(windows[-1] / windows[-2] - 1) <= WARMUP_SETTLED
+        if settled or time.perf_counter() - t0 >= seconds or w.errors_5xx or w.lost:
+            break
+    return {"seconds": round(time.perf_counter() - t0, 2), "cap_s": seconds, "settled": settled,
+            "windows_rps": [round(x, 1) for x in windows], "errors_5xx": w.errors_5xx, "lost": w.lost}
 
 
 def _record_ready(ts: TorchServe, spec: ServerSpec, first_case: HttpCase, out: dict) -> None:

@@ -197,6 +197,21 @@ def test_load_counts_4xx_and_goes_on_after_the_server_closes_the_connection(serv
 
 @pytest.mark.torchserve
 @needs_java
+def test_warmup_runs_windows_until_two_agree_or_the_cap(served):
+    from pipeline.serve.serve_check import WARMUP_SETTLED, _warmup
+    w = _warmup(served, CASES, 2, 4.0)
+    rates = w["windows_rps"]
+    assert rates and w["lost"] == 0 and w["errors_5xx"] == 0
+    if w["settled"]:
+        assert len(rates) >= 2 and abs(rates[-1] / rates[-2] - 1) <= WARMUP_SETTLED + 0.002   # rounding
+    else:
+        assert w["seconds"] >= 4.0
+    # No window settles at a zero cap: one window, then it stops.
+    assert len(_warmup(served, CASES, 2, 0.0)["windows_rps"]) == 1
+
+
+@pytest.mark.torchserve
+@needs_java
 def test_load_stops_at_the_time_cap(served):
     r = run_load(served, CASES, requests=10 ** 6, concurrency=2, time_cap_s=1.0)
     assert r.stopped_by_time_cap and 0 < r.requests_sent < 10 ** 6 and r.wall_s >= 1.0
