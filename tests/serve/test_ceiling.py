@@ -96,6 +96,7 @@ def test_stage_serves_the_ceiling_beside_the_winner(tmp_path, monkeypatch, tenso
     # the benchmark's figure kept beside it.
     alone = b["model_alone"]
     assert alone["workers"] == 1 and alone["batch_size"] == 4 and alone["measured"]["ok"]
+    assert len(alone["samples_rps"]) == 2 and alone["value"] == max(alone["samples_rps"])   # before / after the rounds
     assert b["model_alone_rps"] == round(alone["measured"]["requests_per_s"], 2) > 0
     assert b["model_alone_benchmark"]["value"] == 800.0                     # batch 4 x 1 worker
     assert b["bound_rps"] == pytest.approx(1 / (1 / ceiling["throughput_rps"] + 1 / alone["value"]), abs=0.01)
