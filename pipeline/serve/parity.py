@@ -15,7 +15,10 @@ def compare_response(got: Any, expected: Any, atol: float, rtol: float) -> tuple
     """(ok, max_abs_error, first mismatch) between a handler response and the reference one.
     Numbers within atol + rtol·|expected|; everything else equal. A classification answer
     (`[{"label", "score"}]`, best first): as long as expected, the top-1 label must match and every
-    label in both lists must have its score within tolerance (near-ties may swap lower ranks)."""
+    label in both lists must have its score within tolerance (near-ties may swap lower ranks). A
+    rerank answer (`[{"index", "score"}]`, best first): the same indices, each one's score within
+    tolerance, and the order never puts a text before one whose expected score is higher by more
+    than the tolerance (texts within it may swap)."""
     worst = [0.0]
 
     def walk(g, e, where) -> str:
@@ -38,6 +41,8 @@ def compare_response(got: Any, expected: Any, atol: float, rtol: float) -> tuple
         if isinstance(e, list):
             if task_gate.label_list(e) and task_gate.label_list(g) and len(g) == len(e):
                 return ranked(g, e, where)
+            if _index_list(e) and _index_list(g) and len(g) == len(e):
+                return reranked(g, e, where)
             if not isinstance(g, list) or len(g) != len(e):
                 return f"{where}: got {type(g).__name__} of length {len(g) if isinstance(g, list) else '-'}, expected length {len(e)}"
             return next((m for i, (gi, ei) in enumerate(zip(g, e)) if (m := walk(gi, ei, f"{where}[{i}]"))), "")
@@ -54,8 +59,31 @@ def compare_response(got: Any, expected: Any, atol: float, rtol: float) -> tuple
                     return m
         return ""
 
+    def reranked(g, e, where) -> str:
+        expected_by_index = {c["index"]: c for c in e}
+        if set(expected_by_index) != {c["index"] for c in g}:
+            return f"{where}: indices {sorted(c['index'] for c in g)} != expected {sorted(expected_by_index)}"
+        for c in g:
+            m = walk(c, expected_by_index[c["index"]], f"{where}[index={c['index']}]")
+            if m:
+                return m
+        for k, ahead in enumerate(g):
+            for behind in g[k + 1:]:
+                s_ahead = float(expected_by_index[ahead["index"]]["score"])
+                s_behind = float(expected_by_index[behind["index"]]["score"])
+                if s_behind - s_ahead > atol + rtol * abs(s_behind):
+                    return (f"{where}: index {ahead['index']} ranked before index {behind['index']}, whose expected "
+                            f"score is higher by {s_behind - s_ahead:.3g} (beyond the tolerance)")
+        return ""
+
     msg = walk(got, expected, "response")
     return (not msg, worst[0], msg)
+
+
+def _index_list(value: Any) -> bool:
+    """A rerank answer: `[{"index", "score", ...}, ...]`, best first."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(c, dict) and "index" in c and "score" in c and "label" not in c for c in value)
 
 
 def response_within(got: Any, expected: Any, atol: float, rtol: float,

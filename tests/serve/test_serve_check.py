@@ -408,3 +408,19 @@ def test_a_reference_is_served_again_only_while_its_comparison_is_undecided():
                 "p99_ms": r["load"]["p99_ms"]} for r in rs] for n, rs in per.items()}
     assert undecided(per, 0.25) == ["handtuned"]
     assert undecided(per, 0.0) == ["handtuned", "baseline"]
+
+
+def test_compare_rerank_allows_swaps_within_the_tolerance_only():
+    exp = [{"index": 2, "score": 0.90}, {"index": 0, "score": 0.50}, {"index": 1, "score": 0.49},
+           {"index": 3, "score": 0.10}]
+    assert compare_response(exp, exp, 0.02, 0)[0]
+    near_tie = [exp[0], exp[2], exp[1], exp[3]]                       # 0.50 vs 0.49: within 0.02
+    assert compare_response(near_tie, exp, 0.02, 0)[0]
+    ok, _, msg = compare_response([exp[1], exp[0], exp[2], exp[3]], exp, 0.02, 0)
+    assert not ok and "index 0 ranked before index 2" in msg          # 0.90 vs 0.50: a real reorder
+    off = [dict(c) for c in exp]
+    off[1]["score"] = 0.60
+    ok, _, msg = compare_response(off, exp, 0.02, 0)
+    assert not ok and "index=0" in msg
+    ok, _, msg = compare_response([exp[0], exp[1], exp[2], {"index": 7, "score": 0.1}], exp, 0.02, 0)
+    assert not ok and "indices" in msg
