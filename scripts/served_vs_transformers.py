@@ -77,6 +77,7 @@ class Case:
     served: Any = None              # (status, answer)
     want: Any = None
     problems: list = field(default_factory=list)
+    cause: str = ""
     ties: int = 0
     max_diff: float = 0.0
 
@@ -416,9 +417,12 @@ def same_answers(got, want, atol: float = ATOL) -> list[str]:
     problems = []
     if isinstance(want, dict):
         want = [want]
-    if not isinstance(got, list) or len(got) != len(want):
-        return [f"{len(got) if isinstance(got, list) else type(got).__name__} items served vs {len(want)} "
-                f"expected: {got} vs {want}"]
+    if not isinstance(got, list):
+        return [f"a {type(got).__name__} served vs a list of {len(want)} expected: {str(got)[:200]}"]
+    if len(got) != len(want):
+        k = next((i for i, (g, w) in enumerate(zip(got, want)) if not _same_item(g, w)), min(len(got), len(want)))
+        return [f"{len(got)} items served vs {len(want)} expected; the first difference at item {k}: served "
+                f"{_short(got[k:k + 1])} vs expected {_short(want[k:k + 1])}"]
     for k, (g, w) in enumerate(zip(got, want)):
         if isinstance(w, list):
             problems += same_answers(g, w, atol)
@@ -438,14 +442,28 @@ def same_answers(got, want, atol: float = ATOL) -> list[str]:
     return problems
 
 
+def _short(items) -> str:
+    return json.dumps(items, default=float)[:200]
+
+
+def _same_item(g, w) -> bool:
+    """Every key but the score equal (the same label / index / entity and span)."""
+    if not (isinstance(g, dict) and isinstance(w, dict)):
+        return g == w
+    return {k: v for k, v in g.items() if k != "score"} == {k: v for k, v in w.items() if k != "score"}
+
+
 def max_score_diff(got, want) -> float:
+    """The largest score difference over the items that agree in everything else (position by position)."""
     if isinstance(want, dict):
         want = [want]
+    if not isinstance(got, list):
+        return 0.0
     diffs = [0.0]
     for g, w in zip(got, want):
         if isinstance(w, list):
             diffs.append(max_score_diff(g, w))
-        elif isinstance(g, dict) and isinstance(g.get("score"), (int, float)):
+        elif _same_item(g, w) and isinstance(g.get("score"), (int, float)):
             diffs.append(abs(float(g["score"]) - float(w["score"])))
     return max(diffs)
 
@@ -486,8 +504,22 @@ def judge(case: Case, atol: float = ATOL) -> Case:
         return case
     untied, case.ties = untie(answer, case.want)
     case.problems = same_answers(untied, case.want, atol)
-    case.max_diff = max_score_diff(untied, case.want) if not case.problems else max_score_diff(answer, case.want)
+    case.max_diff = max_score_diff(untied, case.want)
+    if case.problems:
+        case.cause = cause_of(answer, case.want, case.problems, atol)
     return case
+
+
+def cause_of(answer, want, problems: list[str], atol: float) -> str:
+    """What a mismatch is, in a few words: scores only, an order among near ties, or a decision."""
+    if all(p.partition(": ")[2].startswith("score ") for p in problems):
+        return f"score off by more than {atol}"
+    if same_answers(untie(answer, want, eps=atol)[0], want, atol) == []:
+        return f"order of items whose reference scores are within {atol}"
+    flat = want[0] if isinstance(want, list) and want and isinstance(want[0], list) else want
+    if isinstance(flat, list) and flat and isinstance(flat[0], dict) and {"entity", "entity_group"} & set(flat[0]):
+        return "entities differ (label or span)"
+    return "labels / order differ"
 
 
 def summarize(cases: list[Case]) -> dict:
@@ -500,7 +532,11 @@ def summarize(cases: list[Case]) -> dict:
         row["max_score_diff"] = max(row["max_score_diff"], c.max_diff)
     mismatches = [{"kind": c.kind, "body": c.body[:300].decode("utf-8", "replace") if c.content_type != "image/png"
                    and c.content_type != "image/jpeg" else f"<{c.content_type} {len(c.body)} bytes>",
-                   "problems": c.problems[:5], "served": c.served, "expected": c.want} for c in cases if c.problems]
+                   "cause": c.cause, "problems": [p[:400] for p in c.problems[:5]]} for c in cases if c.problems]
+    causes: dict[str, int] = {}
+    for c in cases:
+        if c.problems:
+            causes[c.cause] = causes.get(c.cause, 0) + 1
     examples = {}
     for c in cases:
         if c.kind not in examples and c.served and c.served[0] == 200:
@@ -508,7 +544,35 @@ def summarize(cases: list[Case]) -> dict:
     return {"requests": len(cases), "matched": sum(not c.problems for c in cases), "ties": sum(c.ties for c in cases),
             "max_score_diff": max((c.max_diff for c in cases), default=0.0),
             "distinct_first_answers": len({json.dumps(_first(c.want), sort_keys=True, default=str) for c in cases}),
-            "by_kind": kinds, "mismatches": mismatches, "examples": examples}
+            **agreement(cases), "causes": causes, "by_kind": kinds, "mismatches": mismatches, "examples": examples}
+
+
+def _flat(answer) -> list:
+    if isinstance(answer, dict):
+        return [answer]
+    if isinstance(answer, list) and answer and isinstance(answer[0], list):
+        return [x for a in answer for x in _flat(a)]
+    return answer if isinstance(answer, list) else []
+
+
+def agreement(cases: list[Case]) -> dict:
+    """Task figures beside exactness: entity-level F1 (exact type and span) for token-classification,
+    first-answer agreement for ranked answers (a list input: its first text's)."""
+    judged = [c for c in cases if c.served and c.served[0] == 200]
+    items = [x for c in judged for x in _flat(c.want)]
+    if items and ("entity" in items[0] or "entity_group" in items[0]):
+        def spans(answer, key):
+            texts = answer if isinstance(answer, list) and answer and isinstance(answer[0], list) else [answer]
+            return {(key, t, x.get("entity_group", x.get("entity")), x["start"], x["end"])
+                    for t, entities in enumerate(texts) for x in _flat(entities)}
+        served = set().union(*(spans(c.served[1], k) for k, c in enumerate(judged)))
+        wanted = set().union(*(spans(c.want, k) for k, c in enumerate(judged)))
+        hit = len(served & wanted)
+        f1 = 2 * hit / (len(served) + len(wanted)) if served or wanted else 1.0
+        return {"entity_f1": round(f1, 4)}
+    same = [json.dumps(_first(c.served[1]), sort_keys=True, default=str) ==
+            json.dumps(_first(c.want), sort_keys=True, default=str) for c in judged]
+    return {"first_answer_agreement": round(sum(same) / len(same), 4) if same else None}
 
 
 def _first(answer):
@@ -528,6 +592,7 @@ def table(summary: dict) -> str:
                      f"{r['max_score_diff']:>19.2e} |")
     lines.append(f"| {'all':<32} | {summary['requests']:>8} | {summary['matched']:>7} | {summary['ties']:>4} | "
                  f"{summary['max_score_diff']:>19.2e} |")
+    lines += [f"mismatches: {n} x {cause}" for cause, n in summary["causes"].items()]
     return "\n".join(lines)
 
 

@@ -109,6 +109,12 @@ def test_comparison_catches_every_kind_of_difference():
     assert _case([dict(ENTITIES[0], word="John")], ENTITIES).problems == ["item 0: word 'John' vs 'john'"]
     assert _case([dict(ENTITIES[0], entity="B-PER")], ENTITIES).problems       # an extra key
     assert _case([[dict(x) for x in RANKED]], [RANKED]).problems == []          # a list input's answers
+    assert _case(off, RANKED).cause == "score off by more than 0.01"
+    assert _case(swapped, RANKED).cause == "labels / order differ"
+    assert _case(moved, ENTITIES).cause == "entities differ (label or span)"
+    near = [{"index": 4, "score": 0.5}, {"index": 2, "score": 0.495}, {"index": 9, "score": 0.1}]
+    assert _case([near[1], near[0], near[2]], near).cause == "order of items whose reference scores are within 0.01"
+    assert "first difference at item 1" in _case([ENTITIES[0], dict(ENTITIES[0], start=5, end=9)], ENTITIES).problems[0]
     bad = svt.Case("k", b"", "text/plain", {})
     bad.served, bad.want = (413, {"error": "too long"}), RANKED
     assert svt.judge(bad).problems == ["HTTP 413: {'error': 'too long'}"]
@@ -124,6 +130,15 @@ def test_a_tie_may_come_in_either_order_but_nothing_else_moves():
     summary = svt.summarize([case, _case(RANKED[:1], RANKED, kind="other")])
     assert summary["ties"] == 1 and summary["matched"] == 1 and summary["mismatches"][0]["kind"] == "other"
     assert "| all" in svt.table(summary)
+
+
+def test_task_figures_beside_exactness():
+    """Entity-level F1 (type and exact span) for NER, first-answer agreement for ranked answers."""
+    other = [{"entity_group": "LOC", "score": 0.5, "word": "paris", "start": 14, "end": 19}]
+    cases = [_case(ENTITIES + other, ENTITIES + other), _case([dict(ENTITIES[0], end=5)], ENTITIES)]
+    assert svt.agreement(cases) == {"entity_f1": pytest.approx(2 * 2 / (3 + 3), abs=1e-4)}
+    ranked = [_case(RANKED, RANKED), _case([RANKED[1], RANKED[0]], RANKED[:2])]
+    assert svt.agreement(ranked) == {"first_answer_agreement": 0.5}
 
 
 def test_the_script_exits_1_on_a_mismatch(tmp_path, text_models, monkeypatch):
