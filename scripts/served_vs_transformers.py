@@ -321,6 +321,7 @@ class RerankReference:
         doc = case.ref["doc"]
         ranked = eager_rerank(self.folder, case.ref["query"], case.ref["texts"], self.max_length,
                               raw_scores=bool(doc.get("raw_scores")), model=self.model, tokenizer=self.tok)
+        case.ref["scores"] = {r["index"]: r["score"] for r in ranked}      # the cut-off ones' too
         if doc.get("top_n"):
             ranked = ranked[:doc["top_n"]]
         if doc.get("return_text"):
@@ -506,15 +507,33 @@ def judge(case: Case, atol: float = ATOL) -> Case:
     case.problems = same_answers(untied, case.want, atol)
     case.max_diff = max_score_diff(untied, case.want)
     if case.problems:
-        case.cause = cause_of(answer, case.want, case.problems, atol)
+        case.cause = cause_of(answer, case.want, case.problems, atol, case.ref.get("scores"))
     return case
 
 
-def cause_of(answer, want, problems: list[str], atol: float) -> str:
+def near_tie_order(answer, want, atol: float, scores: Optional[dict] = None) -> bool:
+    """A ranked answer whose every item sits where the reference has an item scored within `atol` of it
+    (by the item's own reference score: `scores` holds those of items the reference cut off by top_n /
+    top_k), every score within atol of its reference: the order moved only among near ties."""
+    if isinstance(want, dict) or not isinstance(answer, list) or len(answer) != len(want):
+        return False
+    if want and isinstance(want[0], list):
+        return all(near_tie_order(g, w, atol) for g, w in zip(answer, want))
+    if not want or not all(isinstance(x, dict) for x in answer) or _identity(want[0]) is None or "entity" in want[0]:
+        return False
+    ref = {**(scores or {}), **{_identity(w): float(w["score"]) for w in want}}
+    for g, w in zip(answer, want):
+        own = ref.get(_identity(g))
+        if own is None or abs(own - float(w["score"])) > atol or abs(float(g["score"]) - own) > atol:
+            return False
+    return True
+
+
+def cause_of(answer, want, problems: list[str], atol: float, scores: Optional[dict] = None) -> str:
     """What a mismatch is, in a few words: scores only, an order among near ties, or a decision."""
     if all(p.partition(": ")[2].startswith("score ") for p in problems):
         return f"score off by more than {atol}"
-    if same_answers(untie(answer, want, eps=atol)[0], want, atol) == []:
+    if near_tie_order(answer, want, atol, scores):
         return f"order of items whose reference scores are within {atol}"
     flat = want[0] if isinstance(want, list) and want and isinstance(want[0], list) else want
     if isinstance(flat, list) and flat and isinstance(flat[0], dict) and {"entity", "entity_group"} & set(flat[0]):
@@ -570,7 +589,7 @@ def agreement(cases: list[Case]) -> dict:
         hit = len(served & wanted)
         f1 = 2 * hit / (len(served) + len(wanted)) if served or wanted else 1.0
         return {"entity_f1": round(f1, 4)}
-    same = [json.dumps(_first(c.served[1]), sort_keys=True, default=str) ==
+    same = [json.dumps(_first(untie(c.served[1], c.want)[0]), sort_keys=True, default=str) ==
             json.dumps(_first(c.want), sort_keys=True, default=str) for c in judged]
     return {"first_answer_agreement": round(sum(same) / len(same), 4) if same else None}
 

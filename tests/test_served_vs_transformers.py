@@ -114,6 +114,14 @@ def test_comparison_catches_every_kind_of_difference():
     assert _case(moved, ENTITIES).cause == "entities differ (label or span)"
     near = [{"index": 4, "score": 0.5}, {"index": 2, "score": 0.495}, {"index": 9, "score": 0.1}]
     assert _case([near[1], near[0], near[2]], near).cause == "order of items whose reference scores are within 0.01"
+    chain = [{"index": 1, "score": 0.5}, {"index": 2, "score": 0.495}, {"index": 3, "score": 0.492},
+             {"index": 4, "score": 0.1}]
+    served = [dict(chain[2]), dict(chain[0]), dict(chain[1]), dict(chain[3])]
+    assert _case(served, chain).cause.startswith("order of items whose reference scores are within")
+    cut = svt.Case("k", b"{}", "application/json", {"scores": {1: 0.5, 2: 0.3, 7: 0.295}})
+    cut.served, cut.want = (200, [{"index": 1, "score": 0.5}, {"index": 7, "score": 0.3}]), chain[:1] + [
+        {"index": 2, "score": 0.3}]
+    assert svt.judge(cut).cause.startswith("order of items")       # a near tie at the top_n cut
     assert "first difference at item 1" in _case([ENTITIES[0], dict(ENTITIES[0], start=5, end=9)], ENTITIES).problems[0]
     bad = svt.Case("k", b"", "text/plain", {})
     bad.served, bad.want = (413, {"error": "too long"}), RANKED
