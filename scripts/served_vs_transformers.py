@@ -604,12 +604,13 @@ def _first(answer):
 
 
 def table(summary: dict) -> str:
-    lines = [f"| {'request kind':<32} | requests | matched | ties | max abs(score diff) |",
-             f"|{'-' * 34}|---------:|--------:|-----:|--------------------:|"]
+    w = max([12, *map(len, summary["by_kind"])])
+    lines = [f"| {'request kind':<{w}} | requests | matched | ties | max abs(score diff) |",
+             f"|{'-' * (w + 2)}|---------:|--------:|-----:|--------------------:|"]
     for kind, r in summary["by_kind"].items():
-        lines.append(f"| {kind:<32} | {r['requests']:>8} | {r['matched']:>7} | {r['ties']:>4} | "
+        lines.append(f"| {kind:<{w}} | {r['requests']:>8} | {r['matched']:>7} | {r['ties']:>4} | "
                      f"{r['max_score_diff']:>19.2e} |")
-    lines.append(f"| {'all':<32} | {summary['requests']:>8} | {summary['matched']:>7} | {summary['ties']:>4} | "
+    lines.append(f"| {'all':<{w}} | {summary['requests']:>8} | {summary['matched']:>7} | {summary['ties']:>4} | "
                  f"{summary['max_score_diff']:>19.2e} |")
     lines += [f"mismatches: {n} x {cause}" for cause, n in summary["causes"].items()]
     return "\n".join(lines)
