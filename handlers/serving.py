@@ -38,7 +38,7 @@ from handlers.encode import json_bytes
 from handlers.profile import RequestProfile
 from handlers.runtime import RuntimeLoadError, load_runtime
 from handlers.runtime import read_variant as runtime_read_variant
-from handlers.tasks import RequestError, make_adapter
+from handlers.tasks import JSON_TYPES, RequestError, _media_type, make_adapter
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,16 @@ def request_body(request: Any) -> Any:
             return request[key]
     values = [v for v in request.values() if v is not None]
     return values[0] if len(values) == 1 else None
+
+
+def undo_json_decoding(body: Any, content_type: str | None) -> Any:
+    """TorchServe's worker json.loads an `application/json` body before the handler sees it
+    (ts/protocol/otf_message_handler.py). An object or a list the adapters take as decoded; a bare JSON
+    string (or number) would be read as JSON text a second time: `"a text"` failed as invalid JSON,
+    `"{\\"inputs\\": 1}"` became an object. Such a scalar goes back to its JSON text, read once."""
+    if isinstance(body, (str, int, float, bool)) and _media_type(content_type) in JSON_TYPES:
+        return json.dumps(body, ensure_ascii=False).encode("utf-8")
+    return body
 
 
 def request_content_type(context: Any, idx: int) -> str | None:
@@ -308,7 +318,8 @@ class ServingHandler(ABC):
 
     def decode_one(self, request: Any, context: Any, idx: int):
         # Empty bodies, the size limit and content checks are the adapter's (handlers/tasks.py).
-        return self.adapter.decode_request(request_body(request), request_content_type(context, idx))
+        content_type = request_content_type(context, idx)
+        return self.adapter.decode_request(undo_json_decoding(request_body(request), content_type), content_type)
 
     def _infer(self, samples: list) -> list:
         """Run the valid samples as one batch; if the batch fails, run them one by one so only the

@@ -295,6 +295,24 @@ def test_batch_mixing_valid_and_malformed_requests(tmp_path, kind, fmt, dtype):
     assert h.runtime is None
 
 
+def test_a_bare_json_string_body_is_read_once(tmp_path):
+    """TorchServe json.loads an application/json body before the handler sees it: a bare JSON string is
+    the text itself (it was read as JSON a second time: a 400, or an object when the text held JSON)."""
+    folder, _ = make_variant(tmp_path, "text-embedding", "eager")
+    h = load(TorchHandler, folder)
+    text, holds_json = " ".join(WORDS[:4]), json.dumps({"text": "guitar"})
+    answers = serve_batch(h, make_context(folder, {"threads": 1}),
+                          [(json.dumps(text).encode(), "application/json"), (text.encode(), "text/plain"),
+                           (json.dumps(holds_json).encode(), "application/json"), (holds_json.encode(), "text/plain"),
+                           (b"5", "application/json")])
+    (s1, bare), (s2, plain), (s3, bare_json), (s4, plain_json), (s5, number) = answers
+    assert s1 == s2 == s3 == s4 == 200, answers
+    close_enough(bare, plain, 1e-6)
+    close_enough(bare_json, plain_json, 1e-6)
+    assert s5 == 400 and "text" in number["error"]
+    h.close()
+
+
 def test_all_malformed_batch_and_unsupported_content_type(tmp_path):
     folder, _ = make_variant(tmp_path, "tensor", "torchscript")
     h = load(TorchHandler, folder)

@@ -27,36 +27,16 @@ FIGURES: dict = {}
 
 def serve_task(root: Path, task: str, folder: Path):
     """Build golden + eager variant + .mar for `task` with the pipeline's code; a started TorchServe."""
-    from pipeline.build.builder import build_variant
-    from pipeline.build.variants import get_converter
     from pipeline.core.params import parse_params
-    from pipeline.decide.properties import write_config_properties, write_model_config
-    from pipeline.model.checkpoint import load_model
-    from pipeline.model.golden import write_golden
-    from pipeline.serve.archive import build_archive
-    from pipeline.serve.torchserve import TorchServe
+    from pipeline.serve.variant_server import serve_variant
 
     params = parse_params({"model": {"name": f"tiny-{task}", "source": "hf", "checkpoint": str(folder), "task": task,
                                      "text": {"max_length": 64, "max_texts": 12}},
                            "serve_check": {"rerank_texts": 12},
                            "variants": ["eager"], "benchmark": {"batch_sizes": [1, 4]},
                            "conversion": {"golden_batches": 2}})
-    art = root / "artifacts"
-    loaded = load_model(params)
-    golden = write_golden(params, loaded, art / "golden")
-    record = build_variant(get_converter("eager").from_params(params), loaded, golden, art / "variants" / "eager",
-                           "cpu", params.conversion.tolerances["float32"], params.conversion.min_topk_agreement)
-    assert record["status"] == "converted", record["reason"]
-    (art / "selection.json").write_text(json.dumps({"winner": "eager", "objective": "throughput", "slo_met": True,
-                                                    "message": "test", "variants": {}}))
-    serve = art / "serve"
-    serve.mkdir()
-    write_model_config(serve / "model-config.yaml", SERVED)
-    mar = build_archive(params, selection_path=art / "selection.json", variants_dir=art / "variants",
-                        serve_dir=serve, env_path=art / "env.json", export_dir=art / "store").path
-    config = write_config_properties(serve / "config.properties", SERVED, model_name=params.model.name,
-                                     model_store=mar.parent)
-    return TorchServe(config, mar.parent, params.model.name, workdir=root / "server"), golden
+    served = serve_variant(params, root, settings=SERVED)
+    return served.ts, served.golden
 
 
 def post_all(ts, requests: list) -> list:
