@@ -105,3 +105,11 @@ def test_link_reader_reads_links():
     sample = ("See [a](docs/a.md), [b](b.md#part), ![img](img/x.png \"t\") and [web](https://x.org).\n"
               "`[not](in_code.md)`\n```\n[not](in_fence.md)\n```\n")
     assert LINK.findall(_outside_code(sample)) == ["docs/a.md", "b.md#part", "img/x.png", "https://x.org"]
+
+
+def test_no_source_file_cites_a_file_outside_the_repository():
+    """Generated files (config comments, formulas, records) come from the code: it may not cite shared/."""
+    offenders = [_rel(p) for root in ("pipeline", "handlers", "stages", "scripts")
+                 for p in sorted((REPO_ROOT / root).rglob("*.py"))
+                 if any(outside in p.read_text(encoding="utf-8") for outside in ("measured.md", "shared/reference"))]
+    assert not offenders, f"source files citing files the repository does not ship: {offenders}"

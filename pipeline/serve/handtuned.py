@@ -61,7 +61,7 @@ def build_handtuned(params: Params, *, selection_path: Path, variants_dir: Path,
     except FileNotFoundError:
         raise ArchiveError(f"{derivation_dir / 'derivation.json'} is missing; run the configure stage first") from None
     for key, value in SETTINGS.items():
-        derivation[key] = {"value": value, "formula": "hand-tuned reference (shared/reference/measured.md)",
+        derivation[key] = {"value": value, "formula": "hand-tuned reference (docs/handtuned.md)",
                            "inputs": {}, "overridden": False}
     # Its model calls are its batchSize, as a handler that counts requests runs them (rows per call:
     # pipeline/decide/rows.py), not the derived rows per call.
@@ -69,7 +69,7 @@ def build_handtuned(params: Params, *, selection_path: Path, variants_dir: Path,
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    source = "Hand-tuned reference (measured.md)."
+    source = "Hand-tuned reference (docs/handtuned.md)."
     # The packed model-config.yaml is the one beside the recipe (out_dir is the archive's serve_dir:
     # no derivation.json there, so provenance records none, as for every reference build).
     write_model_config(out_dir / "model-config.yaml", derivation, source=source)
@@ -82,7 +82,7 @@ def build_handtuned(params: Params, *, selection_path: Path, variants_dir: Path,
         "available": True, "model": params.model.name, "variant": VARIANT, "settings": SETTINGS, "mar": recipe.mar,
         "what": "ONNX fp32, graph optimised at build time and loaded with optimisations off, torch-free handler, "
                 "warm-up in initialize; batchSize 8, maxBatchDelay 5 ms, 2 workers × 1 thread "
-                "(shared/reference/measured.md)"}, indent=2) + "\n")
+                "(docs/handtuned.md)"}, indent=2) + "\n")
     return recipe
 
 
