@@ -80,15 +80,20 @@ def entity_figures(got_batches: list[np.ndarray], ref_batches: list[np.ndarray],
         n = int(np.asarray(ref_batches[0]).shape[-1])
         labels = ["O"] + [f"B-L{i}" for i in range(1, n)]
     tp = n_got = n_ref = 0
+    changed, row = [], 0
     for got, ref in zip(got_batches, ref_batches):
         for g, r in zip(np.asarray(got).argmax(-1), np.asarray(ref).argmax(-1)):
             gs, rs = spans([labels[i] for i in g]), spans([labels[i] for i in r])
             tp, n_got, n_ref = tp + len(gs & rs), n_got + len(gs), n_ref + len(rs)
+            if gs != rs:
+                changed.append(row)
+            row += 1
     precision = tp / n_got if n_got else 1.0
     recall = tp / n_ref if n_ref else 1.0
     f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
     return {"kind": TOKENS, "samples": int(sum(len(r) for r in ref_batches)), "entities": n_ref,
-            "entity_f1": float(f1), "precision": float(precision), "recall": float(recall)}
+            "entity_f1": float(f1), "precision": float(precision), "recall": float(recall),
+            "changed_rows": len(changed), "changed_row_examples": changed[:10]}
 
 
 def judge(figures: dict, tol) -> str | None:

@@ -15,6 +15,9 @@ naming the batch size. A tolerance with `gate: task` (int8) replaces rules 2-4 f
 classification by the task's figures over all golden samples (pipeline/accuracy/task_gate.py), recorded
 under `task_gate`; tensors keep rules 1-3 with that tolerance's atol/rtol/cosine. The worst element is the one with the largest |diff| / (atol + rtol*|ref|).
 `max_rel` is reported over elements with |ref| > atol (relative error of near-zero values is noise).
+A float variant that passes, of a task whose answer is a decision (labels, an order, entities), is also
+compared as a client reads it (pipeline/accuracy/answers.py), recorded under `answers`: one that changes
+an answer stays verified but is not exact, and selection serves it only on opt-in.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 
-from pipeline.accuracy import task_gate
+from pipeline.accuracy import answers, task_gate
 from pipeline.core.params import Tolerance
 from pipeline.accuracy.task_gate import row_cosines as _cosines
 
@@ -59,6 +62,7 @@ class Verification:
     worst: Optional[dict]
     seconds: float = 0.0
     task_gate: Optional[dict] = None      # gate 'task': {output: figures} (pipeline/accuracy/task_gate.py)
+    answers: Optional[dict] = None        # float variants of a decision task: exact or not (pipeline/accuracy/answers.py)
 
     def as_dict(self) -> dict:
         d = {"passed": self.passed, "batch_sizes": self.batch_sizes,
@@ -66,6 +70,8 @@ class Verification:
              "seconds": round(self.seconds, 3)}
         if self.task_gate is not None:
             d["task_gate"] = self.task_gate
+        if self.answers is not None:
+            d["answers"] = self.answers
         return d
 
 
@@ -178,7 +184,20 @@ def compare(results: list[tuple[int, list[np.ndarray], list[np.ndarray]]], outpu
         ok_text = "verified (task gate: " + "; ".join(f"{n}: {task_gate.summary(f)}" for n, f in figures.items()) + ")"
         return Verification(reason is None, reason or ok_text, sorted(set(sizes)), checks, worst, task_gate=figures)
     reason = judge(checks, tol, min_topk_agreement)
-    return Verification(reason is None, reason or "verified", sorted(set(sizes)), checks, worst)
+    v = Verification(reason is None, reason or "verified", sorted(set(sizes)), checks, worst)
+    if v.passed:
+        v.answers = answers_check(results, task, labels)
+    return v
+
+
+def answers_check(results: list, task: Optional[str], labels: Optional[list]) -> Optional[dict]:
+    """Whether a verified float variant still gives eager's answers in the task's terms (the first
+    output: the head's logits); None for a task without decisions."""
+    f = answers.figures(task, [g[0] for _, g, _ in results], [r[0] for _, _, r in results], labels)
+    if f is None:
+        return None
+    why = answers.changed(f)
+    return {"exact": why is None, "reason": why or f"the same answers as eager ({answers.summary(f)})", **f}
 
 
 def verify_variant(model_dir: str | Path, golden, tol: Tolerance, min_topk_agreement: float = 0.99,

@@ -27,7 +27,8 @@ from pipeline.decide.serve_config import (DerivationError, OperatingPoint, choos
 #                 per element, hardware-dependent speed (VNNI/AMX), last: they win only when faster
 #                 beyond the noise.
 QUANTIZED = ("onnx-int8-dynamic", "onnx-int8-static", "int8")
-OPT_IN = "serve.allow_quantized: true"     # the params.yaml line that lets a quantized variant win
+OPT_IN = "serve.allow_quantized: true"     # the params.yaml line that lets an inexact variant win (int8, or a
+                                           # float one that changes the task's answers)
 SIMPLICITY_ORDER = ("onnx", "torchscript", "eager", "aoti", "onnx-fp16", "fp16", "bf16",
                     "onnx-int8-dynamic", "onnx-int8-static", "int8")
 
@@ -128,6 +129,8 @@ def evaluate(variant: str, conversion: Optional[dict], benchmark: Optional[dict]
     c.figures["dtype"] = conversion.get("dtype")
     if ver.get("task_gate"):          # int8: the gate's figures (recall@k, top-1 agreement...) travel with it
         c.figures["task_gate"] = ver["task_gate"]
+    if ver.get("answers"):            # a decision task's answers against eager's (pipeline/accuracy/answers.py)
+        c.figures["answers"] = ver["answers"]
     if cstatus == "skipped":          # the plan's screen: measured too slow on this device, never verified
         c.status = "skipped"
         c.reasons.append(f"skipped before verification: {conversion.get('reason') or 'no reason recorded'}")
@@ -268,17 +271,24 @@ def select(variants: list[str], conversions: dict[str, Optional[dict]], benchmar
     }
 
 
+def changes_answers(c: Candidate) -> bool:
+    """A float variant within its tolerance whose answers (labels, order, entities) still differ from eager's."""
+    return (c.figures.get("answers") or {}).get("exact") is False
+
+
 def hold_back_quantized(cands: list[Candidate], criteria: Criteria) -> list[Candidate]:
-    """Exact by default: unless the user opts in, quantized variants cannot win (nor be the closest
-    accurate fallback); they keep their figures so the decision can show what they would give."""
+    """Exact by default: unless the user opts in, quantized variants, and float ones that change the
+    task's answers, cannot win (nor be the closest accurate fallback); they keep their figures so the
+    decision can show what they would give."""
     if criteria.allow_quantized:
         return []
-    held = [c for c in cands if c.variant in QUANTIZED and c.accurate]
+    held = [c for c in cands if (c.variant in QUANTIZED or changes_answers(c)) and c.accurate]
     for c in held:
         c.was = c.status
         c.status, c.accurate = "opt-in", False
-        c.reasons.append(f"quantized: its answers move beyond the float tolerances, so it is served only when "
-                         f"params.yaml says `{OPT_IN}`")
+        why = ("quantized: its answers move beyond the float tolerances" if c.variant in QUANTIZED else
+               f"within its float tolerance, but {c.figures['answers']['reason']}")
+        c.reasons.append(f"{why}, so it is served only when params.yaml says `{OPT_IN}`")
     return held
 
 
@@ -290,7 +300,8 @@ def quantized_alternative(held: list[Candidate], objective: Objective) -> Option
     best = max(usable, key=objective.score)
     return {"variant": best.variant, "opt_in": OPT_IN, "met_constraints": best.was == "eligible",
             "figures": {k: best.figures.get(k) for k in ("throughput_sps", "request_p99_ms", "batch_size",
-                                                          "worker_memory_mb", "task_gate") if k in best.figures}}
+                                                          "worker_memory_mb", "task_gate", "answers")
+                        if k in best.figures}}
 
 
 def check_decision(decision: dict, require_slo: bool) -> None:

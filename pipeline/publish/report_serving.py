@@ -172,17 +172,23 @@ def rerank_load_blocks(inputs: ReportInputs) -> list[Block]:
 
 
 def quantized_alternative_blocks(inputs: ReportInputs) -> list[Block]:
-    """The int8 variant selection held back (exact by default), what it would give, the line to opt in."""
+    """The inexact variant selection held back (exact by default: int8, or a float variant that changes
+    the task's answers), what it would give, the line to opt in."""
     alt = (inputs.selection or {}).get("quantized_alternative")
     if not alt:
         return []
     fig = alt.get("figures") or {}
     gate = next(iter((fig.get("task_gate") or {}).values()), {}) if isinstance(fig.get("task_gate"), dict) else {}
     gate_text = ", ".join(f"{k} {fmt(v)}" for k, v in gate.items() if isinstance(v, (int, float)) and k != "samples")
-    return [Heading("Held back: the quantized alternative", 3),
+    if fig.get("answers") and not gate:
+        how = f"within its float tolerance, but {fig['answers'].get('reason')}"
+        title = "Held back: a variant that changes the answers"
+    else:
+        how = f"its answers move beyond the float tolerances (task gate: {gate_text or 'see its conversion record'})"
+        title = "Held back: the quantized alternative"
+    return [Heading(title, 3),
             Para(f"`{alt.get('variant')}` would give {fmt(fig.get('throughput_sps'))} samples/s at batch "
-                 f"{fmt(fig.get('batch_size'))} (request p99 {fmt(fig.get('request_p99_ms'))} ms); its answers move "
-                 f"beyond the float tolerances (task gate: {gate_text or 'see its conversion record'}). The served "
+                 f"{fmt(fig.get('batch_size'))} (request p99 {fmt(fig.get('request_p99_ms'))} ms); {how}. The served "
                  f"variant stays exact; to serve it instead, set `{alt.get('opt_in')}` in params.yaml.")]
 
 

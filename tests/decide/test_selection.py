@@ -192,3 +192,17 @@ def test_exact_by_default_quantized_wins_only_when_the_user_opts_in():
     # only int8 works: still not served without the opt-in
     alone = run({"int8": bench(curve(1.0))}, {"int8": int8})
     assert alone["winner"] is None and alone["quantized_alternative"]["variant"] == "int8"
+
+
+def test_a_float_variant_that_changes_the_tasks_answers_is_held_back_like_int8():
+    answers = {"exact": False, "kind": "rerank", "changed_samples": 4, "queries": 13,
+               "reason": "4 of 13 queries' texts come in another order than eager's (queries [0, 2, 5, 9])"}
+    bf16 = {**CONVERTED, "dtype": "bfloat16", "verification": {**CONVERTED["verification"], "answers": answers}}
+    same = {**CONVERTED, "verification": {**CONVERTED["verification"], "answers": {**answers, "exact": True}}}
+    benches = {"onnx": bench(curve(1.0)), "bf16": bench(curve(2.0))}
+    d = run(benches, {"onnx": same, "bf16": bf16})
+    assert d["winner"] == "onnx" and d["variants"]["bf16"]["status"] == "opt-in"
+    assert "within its float tolerance, but 4 of 13 queries" in d["variants"]["bf16"]["reasons"][-1]
+    alt = d["quantized_alternative"]
+    assert alt["variant"] == "bf16" and alt["figures"]["answers"]["changed_samples"] == 4
+    assert run(benches, {"onnx": same, "bf16": bf16}, allow_quantized=True)["winner"] == "bf16"

@@ -299,6 +299,14 @@ def test_page_shows_served_against_the_bound_and_the_held_back_int8():
     assert "| model | 4225 |" in md and "| respond | 54.2 |" in md and "491 requests in 180 batches" in md
     assert "`onnx-int8-dynamic` would give 520.5 samples/s" in md and "set `serve.allow_quantized: true`" in md
     assert "recall_at_k 0.9651" in md
+    # A float variant held back because it changes the task's answers says so, not "quantized".
+    inputs.selection["quantized_alternative"] = {
+        "variant": "bf16", "opt_in": "serve.allow_quantized: true",
+        "figures": {"throughput_sps": 610.0, "batch_size": 8, "request_p99_ms": 20.1,
+                    "answers": {"exact": False, "reason": "3 of 13 queries' texts come in another order than eager's"}}}
+    md = render_markdown(build_blocks(inputs, summary_metrics(inputs), {}), Path("."))
+    assert "Held back: a variant that changes the answers" in md
+    assert "within its float tolerance, but 3 of 13 queries' texts come in another order" in md
     # Without the figures, no such sections.
     bare = render_markdown(build_blocks(_served_inputs(90.0), summary_metrics(_served_inputs(90.0)), {}), Path("."))
     assert "host's bound" not in bare and "Held back" not in bare
