@@ -1,5 +1,6 @@
 """The candidate operating points the tuner serves: from the offline curve (pipeline/decide/serve_config.py)
-the offline choice, larger measured batches up to what the load fills, a shorter delay, the other
+the offline choice, larger measured batches up to what the load fills, half the batch the load fills
+(a batch queued behind each worker's running one), a shorter delay, the other
 workers × threads layout on the same cores; and the frontend alternatives tried on the chosen point.
 
 Units (pipeline/decide/rows.py): a candidate's `batch_size` is TorchServe's batchSize in requests,
@@ -29,7 +30,7 @@ class OperatingCandidate:
     delay_ms: int
     workers: int
     threads: int
-    origin: str                                   # offline | larger batch | layout | frontend
+    origin: str                                   # offline | larger batch | queued batch | shorter delay | layout | frontend
     frontend: dict = field(default_factory=dict)  # extra config.properties settings
     predicted: Optional[dict] = None              # offline figures {request_p99_ms, throughput_rps} or None
     batch_rows: Optional[int] = None              # rows per model call; None: batch_size (one row per request)
@@ -105,6 +106,14 @@ def candidates_from_curve(curve: list[CurvePoint], offline: dict, *, slo_ms: flo
                 d, _ = batch_delay_ms(p, slo_ms, headroom_share, w0, rows_per_request=r, batch_requests=b)
                 add(candidate(f"batch {p.batch_size}" + (" rows" if multi_row(r) else ""), b, p.batch_size, d,
                               w0, t0, "larger batch", p))
+    if not {"batch_size", "batch_rows", "max_batch_delay_ms"} & overridden and not multi_row(r) \
+            and b0 >= max(2, expected_concurrency // w0) and (b0 // 2) in by_batch:
+        # Half the batch the load fills: closed-loop clients refill a worker's batch only after its
+        # answers, so at the fill bound each worker idles while the next batch forms; at half of it,
+        # each worker's next batch waits queued while it computes.
+        p = by_batch[b0 // 2]
+        d, _ = batch_delay_ms(p, slo_ms, headroom_share, w0, rows_per_request=r, batch_requests=b0 // 2)
+        add(candidate(f"batch {b0 // 2} (next batch queued)", b0 // 2, b0 // 2, d, w0, t0, "queued batch", p))
     if "max_batch_delay_ms" not in overridden and b0 > 1 and d0 > 2:
         # The same batch with half the wait: under a load that fills batches, a long delay only adds latency.
         add(candidate(f"batch {b0}, delay {d0 // 2} ms", b0, r0, d0 // 2, w0, t0, "shorter delay", p0))

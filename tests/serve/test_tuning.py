@@ -95,6 +95,20 @@ def test_candidates_from_curve_offline_first_then_larger_batches_and_the_other_l
     assert [c.origin for c in cands] == ["offline", "larger batch", "larger batch", "shorter delay", "layout"]
 
 
+def test_an_offline_batch_at_the_fill_bound_is_also_tried_at_half_with_the_next_batch_queued():
+    curve = [CurvePoint(b, p50_ms=1.0 * b, p99_ms=1.2 * b, throughput_sps=500.0 + 20 * b) for b in (1, 2, 4, 8, 16)]
+    offline = {"batch_size": 8, "max_batch_delay_ms": 5, "workers": 2, "threads_per_worker": 1}
+    cands = candidates_from_curve(curve, offline, slo_ms=200, headroom_share=0.5, expected_concurrency=16,
+                                  cores=2, bench_threads=1)
+    queued = [c for c in cands if c.origin == "queued batch"]
+    assert len(queued) == 1 and (queued[0].batch_size, queued[0].workers) == (4, 2)
+    assert queued[0].predicted["throughput_rps"] == 2 * 580.0
+    # Below the fill bound, batches already queue: no such candidate.
+    below = candidates_from_curve(curve, {**offline, "batch_size": 4}, slo_ms=200, headroom_share=0.5,
+                                  expected_concurrency=16, cores=2, bench_threads=1)
+    assert "queued batch" not in [c.origin for c in below]
+
+
 def test_decide_keeps_the_offline_choice_within_noise_and_replaces_it_beyond():
     off, big = _cand("offline", 1, origin="offline"), _cand("batch 8", 8)
     # +4% with 10% round spread: noise → the offline one stays.
