@@ -26,9 +26,11 @@ log = logging.getLogger(__name__)
 # responseTimeout, which the naive baseline runs with (a GB-sized model's baseline answers in ~10 s
 # under 16 clients); the load's time cap only stops new requests.
 ANSWER_WAIT_S = 120.0
-# The warm-up's windows, and how close two successive windows' rates must be to call it warm.
+# The warm-up's windows, and how close the last WARMUP_SETTLED_WINDOWS windows' rates must be to call it
+# warm (two could agree on a step of a server still speeding up).
 WARMUP_WINDOW_S = 1.0
 WARMUP_SETTLED = 0.05
+WARMUP_SETTLED_WINDOWS = 3
 
 
 @dataclass(frozen=True)
@@ -85,14 +87,15 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
 
 
 def _warmup(ts: TorchServe, cases: list[HttpCase], concurrency: int, seconds: float) -> dict:
-    """The same load in windows of WARMUP_WINDOW_S until a window's rate is within WARMUP_SETTLED of
-    the one before (the server has stopped speeding up), or `seconds` have passed."""
+    """The same load in windows of WARMUP_WINDOW_S until the last WARMUP_SETTLED_WINDOWS windows' rates
+    are within WARMUP_SETTLED of each other (the server has stopped speeding up), or `seconds` have passed."""
     t0, windows = time.perf_counter(), []
     while True:
         # Its requests are waited for: one abandoned would still be queued when the measured load starts.
         w = run_load(ts, cases, 10 ** 9, concurrency, WARMUP_WINDOW_S, request_timeout_s=ANSWER_WAIT_S)
         windows.append(w.throughput_rps or 0.0)
-        settled = len(windows) >= 2 and windows[-2] > 0 and abs(windows[-1] / windows[-2] - 1) <= WARMUP_SETTLED
+        last = windows[-WARMUP_SETTLED_WINDOWS:]
+        settled = len(last) == WARMUP_SETTLED_WINDOWS and min(last) > 0 and max(last) / min(last) - 1 <= WARMUP_SETTLED
         if settled or time.perf_counter() - t0 >= seconds or w.errors_5xx or w.lost:
             break
     return {"seconds": round(time.perf_counter() - t0, 2), "cap_s": seconds, "settled": settled,
