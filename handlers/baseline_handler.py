@@ -138,6 +138,8 @@ class BaselineHandler(BaseHandler):
                 task = self.spec["task"]
                 out = _pool(hidden, tensors["attention_mask"], task.get("pooling", "mean"),
                             bool(task.get("normalize", True)))
+            elif self.spec["source"] == "hf" and self.spec["task"]["kind"] == "image-classification":
+                out = self.model(pixel_values=tensors["pixels"])   # the adapter's `pixels`, by transformers' name
             elif self.spec["source"] == "hf":
                 out = self.model(**tensors)      # by name: input_ids, attention_mask, token_type_ids where taken
             else:

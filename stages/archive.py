@@ -10,7 +10,8 @@ Also unpacks the .mar into artifacts/model_store/<name>/ (the folder form, pipel
 its model files hard links to the variant's. Reads artifacts/selection.json, artifacts/serve/tuning.json
 (the served variant: the tune stage's contest may have replaced selection's winner),
 artifacts/variants/<variant>/, artifacts/serve/model-config.yaml (+ derivation.json),
-artifacts/env.json. Exits non-zero with one clear message when an input is missing.
+artifacts/env.json, metrics/benchmark/onnx.json (the hand-tuned reference's timeouts). Exits non-zero
+with one clear message when an input is missing.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from pipeline.serve.archive import ArchiveError, build_archive
 from pipeline.core.params import ParamsError, load_params
 from pipeline.serve.handtuned import build_handtuned
 from pipeline.serve.reference_archives import write_baseline
-from pipeline.core.paths import (BASELINE_DIR, ENV_JSON, HANDTUNED_DIR, MODEL_STORE, SELECTION_JSON, SERVE_DIR,
-                            VARIANTS_DIR)
+from pipeline.core.paths import (BASELINE_DIR, BENCHMARK_METRICS, ENV_JSON, HANDTUNED_DIR, MODEL_STORE, SELECTION_JSON,
+                            SERVE_DIR, VARIANTS_DIR)
 from pipeline.decide.store_form import unpack_mar
 
 log = logging.getLogger("stages.archive")
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         # The hand-tuned ONNX setup (docs/handtuned.md), recorded here so serve_check measures it beside the winner.
         t1 = time.perf_counter()
         ref = build_handtuned(params, selection_path=SELECTION_JSON, variants_dir=VARIANTS_DIR,
-                              derivation_dir=SERVE_DIR, env_path=ENV_JSON, out_dir=HANDTUNED_DIR)
+                              derivation_dir=SERVE_DIR, env_path=ENV_JSON, benchmarks_dir=BENCHMARK_METRICS,
+                              out_dir=HANDTUNED_DIR)
         if ref is not None:
             log.info("wrote the hand-tuned reference's recipe %s (its .mar: %.1f MB) in %.1f s", ref.dir,
                      ref.bytes / 1e6, time.perf_counter() - t1)

@@ -24,6 +24,7 @@ from pipeline.serve.archive import build_archive
 from pipeline.serve.handtuned import build_handtuned
 from pipeline.serve.torchserve_http import read_properties
 from tests.serve.test_archive import build_stage_inputs
+from tests.serve.test_handtuned import write_onnx_benchmark
 from tests.serve.test_torchserve import DERIVED
 
 NAME = "signalnet"
@@ -54,6 +55,7 @@ def archived(tmp_path, make_params, monkeypatch):
     unpack_mar(result.path, store / NAME, sources=result.sources)
     ra.write_baseline(params, variants_dir=inputs["variants_dir"], baseline_dir=art / "baseline")
     assert build_handtuned(params, out_dir=art / "handtuned", derivation_dir=configured,
+                           benchmarks_dir=write_onnx_benchmark(tmp_path / "metrics" / "benchmark"),
                            **{k: inputs[k] for k in ("selection_path", "variants_dir", "env_path")}) is not None
     (art / "golden").mkdir()
     (art / "golden" / "http_cases.json").write_text(json.dumps(
