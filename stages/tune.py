@@ -28,8 +28,9 @@ from pipeline.core.paths import (BENCHMARK_METRICS, CONFIGURED_DIR, CONTENDERS, 
 from pipeline.decide.properties import ConfigWriteError, write_serve_files
 from pipeline.decide.selection import tied_contenders
 from pipeline.serve.http_cases import load_http_cases
-from pipeline.decide.serve_config import DerivationError, curve_from_benchmark, usable_cores, values
-from pipeline.serve.candidates import FRONTEND_CANDIDATES, candidates_from_curve
+from pipeline.decide.serve_config import (DerivationError, curve_from_benchmark, rows_of_derivation, usable_cores,
+                                          values)
+from pipeline.serve.candidates import FRONTEND_CANDIDATES, candidates_from_curve, with_timeouts
 from pipeline.serve.decision import TuningError
 from pipeline.serve.tuner import ServedModel
 from pipeline.serve.tuning import (Contender, TuneSettings, frontend_properties, progress_bar, tune, tuned_derivation,
@@ -135,19 +136,21 @@ def served_model(params, proposal: Path, variant: str, store: Path) -> ServedMod
 
 def operating_candidates(params, env: dict, proposal: Path, variant: str) -> tuple[list, dict]:
     """The operating points to serve for `variant` (offline choice first) from its configure proposal
-    and benchmark curve, and that benchmark record."""
+    and benchmark curve, each with the timeouts of its own point, and that benchmark record."""
     serve = params.serve
     benchmark = _read_json(BENCHMARK_METRICS / f"{variant}.json", f"the benchmark of {variant}")
     derivation = _read_json(proposal / "derivation.json", f"the proposal for {variant}")
     cores = usable_cores(env)[0] if (benchmark.get("device") or "cpu") == "cpu" else 0   # layouts share CPU cores only
     overridden = frozenset(k for k, v in derivation.items() if isinstance(v, dict) and v.get("overridden"))
     offline = values(derivation)
-    return candidates_from_curve(
+    candidates = candidates_from_curve(
         curve_from_benchmark(benchmark), offline, slo_ms=serve.latency_slo_ms,
         headroom_share=serve.delay_headroom_share, expected_concurrency=serve.expected_concurrency,
         cores=cores, bench_threads=int(benchmark.get("threads") or 1), overridden=overridden,
         max_candidates=params.tune.max_candidates,
-        rows_per_request=float(offline.get("rows_per_request") or 1.0)), benchmark
+        rows_per_request=float(offline.get("rows_per_request") or 1.0))
+    # responseTimeout / startupTimeout for each candidate's own batch, as configure derives the offline one's.
+    return with_timeouts(candidates, benchmark, env, serve, rows=rows_of_derivation(derivation)), benchmark
 
 
 def run_contest(params, env: dict, proposals: dict, contenders: list[str], cases, settings: TuneSettings,

@@ -230,7 +230,7 @@ def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optiona
     # ---- workers × threads first: how many workers share the queue bounds the batch they can fill
     workers_d, threads_d = plan_workers(benchmark, env, s, curve)
     workers = put("workers", workers_d).value
-    put("threads_per_worker", threads_d)
+    threads = int(put("threads_per_worker", threads_d).value)
 
     # ---- the batch: rows per model call on the curve, then TorchServe's batchSize in requests
     conc = int(s.get("expected_concurrency", 16))
@@ -288,14 +288,22 @@ def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optiona
         raise DerivationError(f"serve.overrides.max_batch_delay_ms = {delay}: TorchServe turns 0 into 100 ms; "
                               f"use 1 for 'no wait'")
 
-    # ---- timeouts
+    # ---- timeouts, for a worker with fewer intra-op threads than the curve was measured with (a
+    # workers × threads layout other than the benchmark's) on a slower call: at most threads-fold
+    # (threads speed a call up at most linearly).
+    bench_threads = int(benchmark.get("threads") or 1)
+    thread_scale = bench_threads / threads if device == "cpu" and 0 < threads < bench_threads else 1.0
+    tpoint = dataclasses.replace(point, p99_ms=point.p99_ms * thread_scale) if thread_scale != 1.0 else point
+    scaled = ({"benchmark_threads": bench_threads, "threads_per_worker": threads,
+               "curve_p99_ms": point.p99_ms, "thread_scale": round(thread_scale, 3)} if thread_scale != 1.0 else {})
+    tnote = " (p99 × benchmark threads / threads_per_worker)" if scaled else ""
     med_ms, max_ms = cold_load_ms(benchmark)
     disk = from_disk(benchmark)
     # The first start on a host reads the artifact from the disk; every later one from memory.
     worst_ms = max(max_ms, disk["total_ms"]) if disk else max_ms
     safety, margin = float(s["startup_safety"]), float(s["startup_margin_s"])
     worker_import = float(s.get("worker_import_s", 1.3))
-    warmup_s = point.p99_ms / 1000.0
+    warmup_s = tpoint.p99_ms / 1000.0
     artifact_bytes = int(benchmark.get("artifact_bytes") or 0)
     raw_read_ms = (benchmark.get("cold_load") or {}).get("raw_read_ms")
     read_ms = disk["raw_read_ms"] if disk else raw_read_ms      # this host's disk, when it was measured
@@ -314,11 +322,11 @@ def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optiona
     put("startup_timeout_s", Derived(timeout_for(disk_s),
         "max(startup_floor_s, ceil((worst cold load, from the page cache or the disk + worker torch import "
         "+ warm-up call at batchSize) × startup_safety + startup_margin_s + [artifact MB / "
-        "target_disk_read_mb_s when that disk is slower than the measured read]))",
+        "target_disk_read_mb_s when that disk is slower than the measured read]))" + tnote,
         {"cold_load_max_ms": max_ms, "cold_load_median_ms": med_ms,
          "cold_load_from_disk_ms": disk["total_ms"] if disk else None, "worst_cold_load_ms": worst_ms,
          "worker_import_s": worker_import,
-         "warmup_ms": point.p99_ms, "startup_safety": safety, "startup_margin_s": margin,
+         "warmup_ms": tpoint.p99_ms, "startup_safety": safety, "startup_margin_s": margin, **scaled,
          "artifact_bytes": artifact_bytes, "raw_read_ms": raw_read_ms,
          "disk_raw_read_ms": disk["raw_read_ms"] if disk else None,
          "measured_read_mb_s": round(measured_mb_s, 1) if measured_mb_s else None,
@@ -334,13 +342,14 @@ def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optiona
                                                 float(s.get("folder_store_min_mb", 500.0)))
     put("store_form", Derived(form, fformula, finputs))
     rsafety = float(s["response_safety"])
-    rraw = (point.p99_ms * calls * rsafety + delay) / 1000.0
+    rraw = (tpoint.p99_ms * calls * rsafety + delay) / 1000.0
     put("response_timeout_s", Derived(max(int(s["response_floor_s"]), int(math.ceil(rraw))),
-        "max(response_floor_s, ceil((p99(batchSize) × response_safety + maxBatchDelay) / 1000))" if calls == 1 else
-        "max(response_floor_s, ceil((model calls per batch × p99(batch_rows) × response_safety + maxBatchDelay) / 1000))",
-        {"batch_p99_ms": point.p99_ms, "response_safety": rsafety, "max_batch_delay_ms": delay,
+        ("max(response_floor_s, ceil((p99(batchSize) × response_safety + maxBatchDelay) / 1000))" if calls == 1 else
+         "max(response_floor_s, ceil((model calls per batch × p99(batch_rows) × response_safety + maxBatchDelay) / 1000))")
+        + tnote,
+        {"batch_p99_ms": tpoint.p99_ms, "response_safety": rsafety, "max_batch_delay_ms": delay,
          "response_floor_s": s["response_floor_s"], "unrounded_s": round(rraw, 3),
-         **({"model_calls": calls} if calls > 1 else {})}))
+         **({"model_calls": calls} if calls > 1 else {}), **scaled}))
 
     # ---- queue and size limits
     put("job_queue_size", Derived(max(2 * conc, 2 * workers * batch),
@@ -355,6 +364,39 @@ def derive_serve_config(benchmark: dict, env: dict, serve: Any, *, task: Optiona
                                     {"max_request_bytes": handler_req}))
     put("max_response_size", resp)
     return out
+
+
+# --------------------------------------------------------------------------- another operating point
+# The settings that make an operating point (derivation keys), and the timeouts that follow from it.
+POINT_KEYS = ("batch_size", "batch_rows", "max_batch_delay_ms", "workers", "threads_per_worker")
+TIMEOUT_KEYS = ("response_timeout_s", "startup_timeout_s")
+
+
+def rows_of_derivation(derivation: dict) -> Optional[dict]:
+    """The expected load's rows per request a derivation.json was derived with, as `derive_serve_config`'s
+    `rows` argument (None: one row per request)."""
+    entry = derivation.get("rows_per_request")
+    if not isinstance(entry, dict) or entry.get("value") is None:
+        return None
+    return {**(entry.get("inputs") or {}), "rows_per_request": entry["value"]}
+
+
+def point_timeouts(benchmark: dict, env: dict, serve: Any, point: dict, *, rows: Optional[dict] = None,
+                   label: str = "point", about: Optional[dict] = None) -> dict[str, Derived]:
+    """responseTimeout and startupTimeout for an operating point other than the one configure chose
+    (a tuner candidate, the hand-tuned reference): `derive_serve_config` on `benchmark` with the point's
+    settings (POINT_KEYS present in `point`; batch_rows defaults to batch_size) entering as overrides
+    over the user's serve.overrides, which still win for the timeouts themselves. rows: the expected
+    load's rows per request (`rows_of_derivation`). Each Derived's inputs also name the point, under
+    `label`: its settings, the rows per request and `about` (e.g. which benchmark)."""
+    s = _serve_dict(serve)
+    pt = {k: point[k] for k in POINT_KEYS if point.get(k) is not None}
+    if "batch_size" in pt:
+        pt.setdefault("batch_rows", pt["batch_size"])
+    s["overrides"] = {**{k: v for k, v in (s.get("overrides") or {}).items() if v is not None}, **pt}
+    derived = derive_serve_config(benchmark, env, s, rows=rows)
+    named = {**pt, "rows_per_request": derived["rows_per_request"].value, **(about or {})}
+    return {k: dataclasses.replace(derived[k], inputs={**derived[k].inputs, label: named}) for k in TIMEOUT_KEYS}
 
 
 def _point_for(batch: int, curve: list[CurvePoint]) -> CurvePoint:

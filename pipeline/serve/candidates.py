@@ -14,6 +14,7 @@ from typing import Optional
 
 from pipeline.decide.operating_point import CurvePoint, batch_delay_ms, choose_operating_point, fill_limit
 from pipeline.decide.rows import model_calls, multi_row, requests_per_batch
+from pipeline.decide.serve_config import point_timeouts
 
 # Frontend settings tried on the chosen point (config.properties keys; TorchServe 0.12 defaults:
 # system metrics collected every minute by a Python subprocess, netty threads = logical cores).
@@ -34,6 +35,9 @@ class OperatingCandidate:
     frontend: dict = field(default_factory=dict)  # extra config.properties settings
     predicted: Optional[dict] = None              # offline figures {request_p99_ms, throughput_rps} or None
     batch_rows: Optional[int] = None              # rows per model call; None: batch_size (one row per request)
+    # responseTimeout / startupTimeout derived for this point (`with_timeouts`): {derivation key: derivation
+    # entry}; empty: the configure stage's, from the served model's base model-config.yaml.
+    timeouts: dict = field(default_factory=dict, compare=False)
 
     @property
     def rows(self) -> int:
@@ -49,6 +53,7 @@ class OperatingCandidate:
     def settings(self) -> dict:
         return {"batch_size": self.batch_size, "batch_rows": self.rows, "max_batch_delay_ms": self.delay_ms,
                 "workers": self.workers, "threads_per_worker": self.threads,
+                **{k: d["value"] for k, d in self.timeouts.items()},
                 **({"frontend": dict(self.frontend)} if self.frontend else {})}
 
     def describe(self) -> str:
@@ -128,6 +133,23 @@ def candidates_from_curve(curve: list[CurvePoint], offline: dict, *, slo_ms: flo
                                         fill_requests=max(1, expected_concurrency // w1))
             b1, rows1, d1 = op.batch_requests or op.batch_size, op.batch_size, op.delay_ms
         add(candidate(f"{w1} worker(s) × {t1} thread(s)", b1, rows1, d1, w1, t1, "layout", by_batch.get(rows1)))
+    return out
+
+
+def with_timeouts(candidates: list[OperatingCandidate], benchmark: dict, env: dict, serve,
+                  rows: Optional[dict] = None) -> list[OperatingCandidate]:
+    """Each candidate with responseTimeout and startupTimeout derived for its own batch, rows per call,
+    delay, workers and threads by the configure stage's formulas on `benchmark` (the curve the
+    candidates come from; `pipeline.decide.serve_config.point_timeouts`): a larger batch, or fewer threads
+    per worker, runs longer than configure's offline point, whose timeouts it would otherwise keep.
+    serve.overrides of a timeout still win. rows: the expected load's rows per request
+    (`rows_of_derivation` of the configure proposal)."""
+    out = []
+    for c in candidates:
+        derived = point_timeouts(benchmark, env, serve, {
+            "batch_size": c.batch_size, "batch_rows": c.rows, "max_batch_delay_ms": c.delay_ms,
+            "workers": c.workers, "threads_per_worker": c.threads}, rows=rows, label="candidate")
+        out.append(dataclasses.replace(c, timeouts={k: d.as_dict() for k, d in derived.items()}))
     return out
 
 

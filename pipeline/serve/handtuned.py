@@ -19,7 +19,6 @@ serve_check packs the .mar in a scratch directory while it serves it.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import shutil
@@ -29,7 +28,7 @@ from typing import Any, Optional
 from pipeline.serve.archive import ArchiveError, archive_packing
 from pipeline.core.params import Params
 from pipeline.decide.properties import write_config_properties, write_model_config
-from pipeline.decide.serve_config import DerivationError, derive_serve_config
+from pipeline.decide.serve_config import TIMEOUT_KEYS, DerivationError, point_timeouts, rows_of_derivation
 from pipeline.serve.reference_archives import Recipe, write_recipe
 
 log = logging.getLogger(__name__)
@@ -38,35 +37,22 @@ VARIANT = "onnx"
 SETTINGS = {"batch_size": 8, "max_batch_delay_ms": 5, "workers": 2, "threads_per_worker": 1}
 RECORD = "handtuned.json"
 # Derived for the reference's own batch, not kept from the configure stage (derived for the winner's).
-TIMEOUTS = ("response_timeout_s", "startup_timeout_s")
-
-
-def _rows(derivation: dict) -> Optional[dict]:
-    """The expected load's rows per request the configure stage derived with (None: one row each)."""
-    entry = derivation.get("rows_per_request")
-    if not isinstance(entry, dict) or entry.get("value") is None:
-        return None
-    return {**(entry.get("inputs") or {}), "rows_per_request": entry["value"]}
+TIMEOUTS = TIMEOUT_KEYS
 
 
 def handtuned_timeouts(derivation: dict, benchmark: dict, env: dict, serve: Any) -> dict[str, dict]:
     """responseTimeout and startupTimeout for the hand-tuned SETTINGS, derived by the configure
-    stage's own derive_serve_config on the onnx variant's benchmark: SETTINGS enter as overrides (over
-    the user's serve.overrides, which still win for the timeouts themselves), rows per call = its
+    stage's own formulas on the onnx variant's benchmark (`point_timeouts`: SETTINGS enter as overrides
+    over the user's serve.overrides, which still win for the timeouts themselves), rows per call = its
     batchSize (its yaml sets no batch_rows), rows per request those of `derivation`. Each entry as in
     derivation.json (value, formula, inputs, overridden), its inputs naming the batch it is for."""
-    s = dataclasses.asdict(serve) if dataclasses.is_dataclass(serve) else dict(serve)
     hand = {**SETTINGS, "batch_rows": SETTINGS["batch_size"]}
-    s["overrides"] = {**{k: v for k, v in (s.get("overrides") or {}).items() if v is not None}, **hand}
-    rows = _rows(derivation)
-    derived = derive_serve_config(benchmark, env, s, rows=rows)
-    r = derived["rows_per_request"].value
-    batch = {"batch_size": SETTINGS["batch_size"], "batch_rows": hand["batch_rows"], "rows_per_request": r,
-             "benchmark": f"metrics/benchmark/{VARIANT}.json (device {benchmark.get('device')})"}
+    derived = point_timeouts(benchmark, env, serve, hand, rows=rows_of_derivation(derivation),
+                             label="hand_tuned_batch",
+                             about={"benchmark": f"metrics/benchmark/{VARIANT}.json (device {benchmark.get('device')})"})
     out = {}
     for key in TIMEOUTS:
         d = derived[key].as_dict()
-        d["inputs"] = {**d["inputs"], "hand_tuned_batch": batch}
         d["formula"] += (f" — for the hand-tuned batch: {SETTINGS['batch_size']} requests × rows_per_request "
                          f"in model calls of {hand['batch_rows']} rows, on the {VARIANT} variant's curve")
         out[key] = d

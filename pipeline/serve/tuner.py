@@ -35,6 +35,11 @@ class ServedModel:
     def write_yaml(self, c: OperatingCandidate) -> None:
         cfg = yaml.safe_load(yaml.safe_dump(self.base_yaml))
         cfg.update(batchSize=c.batch_size, maxBatchDelay=c.delay_ms, minWorkers=c.workers, maxWorkers=c.workers)
+        # Timeouts derived for this point (candidates.with_timeouts), not the offline point's: a larger
+        # batch run past configure's responseTimeout answers 5xx.
+        for key, ykey in (("response_timeout_s", "responseTimeout"), ("startup_timeout_s", "startupTimeout")):
+            if key in c.timeouts:
+                cfg[ykey] = int(c.timeouts[key]["value"])
         handler = cfg.setdefault("handler", {})
         handler["threads"] = c.threads
         # Rows per model call (pipeline/decide/rows.py): the handler's own setting only where it

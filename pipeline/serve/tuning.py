@@ -119,7 +119,7 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
                           capacity=capacity,
                           predicted_p99_ms=(offline.candidate.predicted or {}).get("request_p99_ms"))
     return {
-        "chosen": final.candidate.settings(), "chosen_name": final.candidate.name,
+        **chosen_record(final.candidate),
         "replaced_offline": final.candidate.point_key() != offline.candidate.point_key(),
         "objective": objective, "settings": dataclasses.asdict(s), "load": LOAD_KIND,
         "candidates": [r.summary(s.latency_slo_ms) for r in phase1],
@@ -133,6 +133,12 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
         "server_start_s": [round(x, 2) for x in tuner.start_s],
         "duration_s": round(time.monotonic() - t0, 1),
     }
+
+
+def chosen_record(c: OperatingCandidate) -> dict:
+    """The tuning record's entries for the served point: its settings, name and the timeouts it was
+    served with (derivation entries; `tuned_derivation` puts them in the tuned derivation.json)."""
+    return {"chosen": c.settings(), "chosen_name": c.name, "chosen_timeouts": dict(c.timeouts) or None}
 
 
 def _served_objective(s: TuneSettings) -> str:
@@ -209,7 +215,10 @@ def variant_contest(contenders: list[Contender], cases: list[HttpCase], s: TuneS
 def tuned_derivation(configured: dict, record: dict) -> dict:
     """configure's derivation.json with the tuned keys replaced by the served choice: each keeps
     the offline derivation (`offline`) beside the served evidence (`served`). Frontend settings are
-    added as their own entries. Dependent limits (job queue) follow the served batch × workers."""
+    added as their own entries. Dependent limits follow the served point: the job queue its batch ×
+    workers, responseTimeout and startupTimeout are those it was served with (record `chosen_timeouts`,
+    derived for its own batch, rows, workers and threads: candidates.with_timeouts), each keeping the
+    offline entry (`inputs.offline`); a timeout under serve.overrides stays as set."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in configured.items()}
     chosen = record["chosen"]
     cands = [{k: c[k] for k in ("name", "settings", "predicted", "throughput_rps", "p99_ms", "meets_slo",
@@ -243,6 +252,14 @@ def tuned_derivation(configured: dict, record: dict) -> dict:
                                                "steps": fe["decision_steps"]} if fe else
                                               f"not measured: {record.get('frontend_skipped') or 'not tuned'}")},
                         "overridden": False}
+    for key, served in (record.get("chosen_timeouts") or {}).items():
+        old = configured.get(key) or {}
+        if old.get("overridden"):
+            continue        # serve.overrides win (the served one was derived with them too)
+        point = ", ".join(f"{k} {chosen[k]}" for k in TUNED_KEYS if k in chosen)
+        out[key] = {**served, "formula": f"{served['formula']} — for the served point ({point})",
+                    "inputs": {**(served.get("inputs") or {}), "offline": old},
+                    "confirmed_offline": old.get("value") == served.get("value")}
     w, b = chosen["workers"], chosen["batch_size"]
     q = out.get("job_queue_size") or {}
     conc = ((q.get("inputs") or {}).get("expected_concurrency"))

@@ -203,6 +203,115 @@ def test_tuned_derivation_keeps_offline_beside_served_and_respects_overrides():
     assert d["job_queue_size"]["value"] == 32 and d["disable_system_metrics"]["value"] is None
 
 
+TENSOR_MODEL = {"name": "signalnet", "source": "state_dict", "checkpoint": "examples/tensor/weights.safetensors",
+                "factory": "examples/tensor/model.py:build", "task": "tensor", "input_shape": [16, 32]}
+
+
+def _proposal(tmp_path, monkeypatch, params, benchmark, env):
+    """configure's derivation for `benchmark` (artifacts/configured/derivation.json) and the benchmark
+    where the tune stage reads it (metrics/benchmark/<variant>.json); returns (folder, derivation)."""
+    import stages.tune as stage
+    from pipeline.decide.serve_config import derivation_as_dict, derive_serve_config
+    configured = derivation_as_dict(derive_serve_config(benchmark, env, params.serve))
+    proposal = tmp_path / "configured"
+    proposal.mkdir()
+    (proposal / "derivation.json").write_text(json.dumps(configured))
+    bench_dir = tmp_path / "benchmark"
+    bench_dir.mkdir()
+    (bench_dir / f"{benchmark['variant']}.json").write_text(json.dumps(benchmark))
+    monkeypatch.setattr(stage, "BENCHMARK_METRICS", bench_dir)
+    return proposal, configured
+
+
+def _served_yaml(tmp_path, configured, c) -> dict:
+    """The model-config.yaml the tuner serves candidate `c` with (configure's yaml as its base)."""
+    folder = tmp_path / "m"
+    folder.mkdir(exist_ok=True)
+    base = {"batchSize": configured["batch_size"]["value"], "responseTimeout": configured["response_timeout_s"]["value"],
+            "startupTimeout": configured["startup_timeout_s"]["value"], "handler": {"threads": 1}}
+    ServedModel(tmp_path, "m", "m", tmp_path / "config.properties", base).write_yaml(c)
+    return yaml.safe_load((folder / "model-config.yaml").read_text())
+
+
+def _tuning_record(c) -> dict:
+    """A tuning record (as `tune` writes it) whose served choice is `c`."""
+    from pipeline.serve.tuning import chosen_record
+    return {**chosen_record(c), "slo_met": False, "served_p99_ms": 3100.0, "served_throughput_rps": 10.0,
+            "decision_steps": ["x"], "frontend": None,
+            "candidates": [{"name": c.name, "settings": c.settings(), "predicted": None, "throughput_rps": 10.0,
+                            "p99_ms": 3100.0, "meets_slo": False, "throughput_spread": 0.01, "batches_formed": {}}]}
+
+
+def test_a_larger_batch_is_served_and_recorded_with_timeouts_for_its_own_batch(tmp_path, make_params, monkeypatch):
+    """The tuner kept configure's timeouts, derived for the offline batch 1 (5 s): a candidate batch of
+    32 (p99 3 s) ran past that responseTimeout (5xx), and once adopted, the tuned derivation.json
+    explained timeouts of a point that was not served."""
+    import stages.tune as stage
+    params = make_params(TENSOR_MODEL, serve={"latency_slo_ms": 100, "expected_concurrency": 32},
+                         tune={"max_candidates": 5})
+    env = {"device": "cpu", "memory_mb": 8000, "cpu": {"model": "x", "physical_cores": 1, "logical_cores": 1}}
+    from tests.decide.test_serve_config import bench
+    benchmark = bench({1: (5.0, 200.0), 32: (3000.0, 900.0)}, variant="torchscript")
+    proposal, configured = _proposal(tmp_path, monkeypatch, params, benchmark, env)
+    assert configured["batch_size"]["value"] == 1 and configured["response_timeout_s"]["value"] == 5
+    cands, _ = stage.operating_candidates(params, env, proposal, "torchscript")
+    offline, big = cands[0], next(c for c in cands if c.batch_size == 32)
+    # Served: batch 32's p99 × the safety factor configure uses (+ its delay), not batch 1's.
+    need_s = benchmark["steady"]["32"]["p99_ms"] * params.serve.response_safety / 1000.0
+    served = _served_yaml(tmp_path, configured, big)
+    assert served["batchSize"] == 32 and served["responseTimeout"] >= need_s > configured["response_timeout_s"]["value"]
+    assert served["responseTimeout"] == math.ceil((3000.0 * params.serve.response_safety + big.delay_ms) / 1000)
+    assert served["startupTimeout"] == big.timeouts["startup_timeout_s"]["value"] > configured["startup_timeout_s"]["value"]
+    assert big.timeouts["startup_timeout_s"]["inputs"]["warmup_ms"] == 3000.0       # the warm-up call at 32
+    assert big.settings()["response_timeout_s"] == served["responseTimeout"]      # in tuning.json's candidates
+    # The offline point keeps exactly configure's timeouts.
+    assert {k: offline.timeouts[k]["value"] for k in offline.timeouts} == \
+        {k: configured[k]["value"] for k in ("response_timeout_s", "startup_timeout_s")}
+    off_yaml = _served_yaml(tmp_path, configured, offline)
+    assert (off_yaml["responseTimeout"], off_yaml["startupTimeout"]) == (5, configured["startup_timeout_s"]["value"])
+    # Adopted: the tuned derivation carries the served point's timeouts, formula and inputs included.
+    d = tuned_derivation(configured, _tuning_record(big))
+    rt = d["response_timeout_s"]
+    assert rt["value"] == served["responseTimeout"] and rt["confirmed_offline"] is False
+    assert rt["inputs"]["batch_p99_ms"] == 3000.0 and rt["inputs"]["response_safety"] == params.serve.response_safety
+    assert rt["inputs"]["candidate"]["batch_size"] == 32 and rt["inputs"]["offline"]["value"] == 5
+    assert "response_safety" in rt["formula"] and "served point" in rt["formula"]
+    assert d["startup_timeout_s"]["value"] == served["startupTimeout"]
+    # serve.overrides still win: an overridden timeout is served and recorded as the user set it.
+    params = make_params(TENSOR_MODEL, serve={"latency_slo_ms": 100, "expected_concurrency": 32,
+                                              "overrides": {"response_timeout_s": 9}}, tune={"max_candidates": 5})
+    (tmp_path / "ov").mkdir()
+    proposal, configured = _proposal(tmp_path / "ov", monkeypatch, params, benchmark, env)
+    cands, _ = stage.operating_candidates(params, env, proposal, "torchscript")
+    big = next(c for c in cands if c.batch_size == 32)
+    assert _served_yaml(tmp_path / "ov", configured, big)["responseTimeout"] == 9
+    d = tuned_derivation(configured, _tuning_record(big))
+    assert d["response_timeout_s"] == configured["response_timeout_s"] and d["response_timeout_s"]["value"] == 9
+    assert d["startup_timeout_s"]["value"] == big.timeouts["startup_timeout_s"]["value"]
+
+
+def test_a_layout_with_fewer_threads_per_worker_gets_timeouts_for_its_slower_calls(tmp_path, make_params,
+                                                                                 monkeypatch):
+    """The curve measured one worker at 4 threads; the other layout runs 4 workers × 1 thread, each
+    call up to 4 × slower: its responseTimeout covers that, the offline 1 × 4 keeps configure's."""
+    import stages.tune as stage
+    from tests.decide.test_serve_config import bench
+    params = make_params(TENSOR_MODEL, serve={"latency_slo_ms": 2000, "expected_concurrency": 4},
+                         tune={"max_candidates": 5})
+    env = {"device": "cpu", "memory_mb": 8000, "cpu": {"model": "x", "physical_cores": 4, "logical_cores": 4}}
+    benchmark = bench({1: (1500.0, 0.7), 2: (2900.0, 0.7)}, variant="torchscript", threads=4)
+    proposal, configured = _proposal(tmp_path, monkeypatch, params, benchmark, env)
+    assert (configured["workers"]["value"], configured["threads_per_worker"]["value"]) == (1, 4)
+    cands, _ = stage.operating_candidates(params, env, proposal, "torchscript")
+    layout = next(c for c in cands if c.origin == "layout")
+    assert (layout.workers, layout.threads, layout.batch_size) == (4, 1, 1)
+    rt = layout.timeouts["response_timeout_s"]
+    assert rt["value"] == math.ceil((1500.0 * 4 * params.serve.response_safety + layout.delay_ms) / 1000)
+    assert rt["inputs"]["thread_scale"] == 4 and rt["inputs"]["curve_p99_ms"] == 1500.0
+    assert cands[0].timeouts["response_timeout_s"]["value"] == configured["response_timeout_s"]["value"] == 8
+    assert "thread_scale" not in configured["response_timeout_s"]["inputs"]      # configure's own point: unscaled
+
+
 # --------------------------------------------------------------------------- real TorchServe
 @pytest.fixture(scope="module")
 def cost_model(tmp_path_factory):
