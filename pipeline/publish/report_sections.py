@@ -151,8 +151,12 @@ def serve_check_blocks(inputs: ReportInputs) -> list[Block]:
     keys = ["ready_s", "worker_load_ms", "first_request_ms", "requests_sent", "requests_ok", "errors_5xx",
             "p50_ms", "p99_ms", "throughput_rps", "batch_sizes_seen"]
     b.append(Table(["figure", f"winner ({winner(inputs)})", "baseline"], [[k, sc.get(k), base.get(k)] for k in keys]))
+    emb = sc.get("parity_embedding") or {}
+    emb_text = (f"; embeddings: lowest cosine {fmt(emb.get('min_cosine'))}, largest |norm − 1| "
+                f"{fmt(emb.get('max_norm_error'))}" + (" (the model's own are unit)" if emb.get("unit_reference") else "")
+                if emb else "")
     b.append(Para(f"Parity over HTTP with the reference outputs: **{fmt(sc.get('parity_ok'))}** "
-                  f"(max abs error {fmt(sc.get('max_abs_error'))}). Ratios winner / baseline: "
+                  f"(max abs error {fmt(sc.get('max_abs_error'))}{emb_text}). Ratios winner / baseline: "
                   f"cold load {fmt(ratios.get('load'))}, throughput {fmt(ratios.get('throughput'))}, "
                   f"p99 {fmt(ratios.get('p99'))}."))
     bad = sc.get("bad_inputs")

@@ -6,6 +6,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
+import numpy as np
+
 from pipeline.accuracy import task_gate
 from pipeline.serve.http_cases import HttpCase
 from pipeline.serve.torchserve import Client, TorchServe
@@ -99,7 +101,8 @@ def check_parity(ts: TorchServe, cases: list[HttpCase], atol: float, rtol: float
                  concurrency: int, gate: Optional[dict] = None, task: Optional[str] = None) -> dict:
     """Every golden case one by one, then all of them concurrently (so they batch). With a task
     gate (int8) the sequential answers must also meet its figures over all cases (recall@k, top-1
-    agreement...), recorded under `task_gate`."""
+    agreement...), recorded under `task_gate`. Embedding answers also record their lowest cosine and
+    norm error under `embedding`; unit reference vectors must be served unit within UNIT_NORM_ATOL."""
     def run(case: HttpCase, client: Client) -> dict:
         r = client.request("POST", ts.api.predictions_path(), case.body, case.content_type)
         if r.status != 200:
@@ -129,6 +132,39 @@ def check_parity(ts: TorchServe, cases: list[HttpCase], atol: float, rtol: float
            "failures": failures[:10]}
     if gate and gate.get("gate") == "task":
         out = _judged_by_task_gate(out, answers, gate, task)
+    return _with_embedding_figures(out, answers)
+
+
+UNIT_NORM_ATOL = 1e-5     # a model ending in Normalize: clients take dot products as cosines
+
+
+def embedding_figures(answers: list[tuple[Any, Any]]) -> Optional[dict]:
+    """Over the sequential embedding answers: the lowest cosine to the reference, and how far the
+    served vectors' norms are from 1 (and the reference's: only a unit reference asks for unit answers)."""
+    pairs = [(np.asarray(g, float), np.asarray(e, float)) for g, e in
+             ((task_gate.response_vector(task_gate.EMBEDDING, g), task_gate.response_vector(task_gate.EMBEDDING, e))
+              for g, e in answers) if g is not None and e is not None and len(g) == len(e)]
+    if not pairs:
+        return None
+    got, ref = np.stack([g for g, _ in pairs]), np.stack([e for _, e in pairs])
+    norms, ref_norms = np.linalg.norm(got, axis=1), np.linalg.norm(ref, axis=1)
+    return {"answers": len(pairs), "min_cosine": round(float(task_gate.row_cosines(got, ref).min()), 7),
+            "max_norm_error": float(np.abs(norms - 1.0).max()),
+            "reference_max_norm_error": float(np.abs(ref_norms - 1.0).max()),
+            "unit_reference": bool(np.abs(ref_norms - 1.0).max() <= UNIT_NORM_ATOL)}
+
+
+def _with_embedding_figures(out: dict, answers: list[tuple[Any, Any]]) -> dict:
+    """The parity record with the embeddings' cosine and norm; a unit reference served off unit fails."""
+    figures = embedding_figures(answers)
+    if figures is None:
+        return out
+    out["embedding"] = figures
+    if figures["unit_reference"] and figures["max_norm_error"] > UNIT_NORM_ATOL:
+        out["ok"] = False
+        out["failures"] = [{"id": "all cases", "ok": False, "error": (
+            f"served embeddings are not unit vectors: |norm - 1| up to {figures['max_norm_error']:.2g} > "
+            f"{UNIT_NORM_ATOL:g}, while the model's own are (it ends in Normalize)")}] + out["failures"][:9]
     return out
 
 

@@ -205,6 +205,7 @@ def _flat(r: dict) -> dict:
         "first_request_ms": r.get("first_request_ms"),
         "parity_ok": parity.get("ok", False) if "parity" in r or not r.get("ready") else None,
         "max_abs_error": parity.get("max_abs_error"),
+        **({"parity_embedding": parity["embedding"]} if parity.get("embedding") else {}),
         "requests_sent": load.get("requests_sent", 0), "requests_answered": load.get("requests_answered", 0),
         "requests_ok": load.get("requests_ok", 0), "requests_lost": load.get("lost", 0),
         "errors_5xx": load.get("errors_5xx", 0), "p50_ms": load.get("p50_ms"), "p99_ms": load.get("p99_ms"),

@@ -54,6 +54,23 @@ def test_compare_labels_tolerates_swapped_near_ties_not_a_new_winner():
     assert not compare_response(exp[:2], exp, 1, 1)[0]                       # as many labels as expected
 
 
+def test_embedding_parity_records_cosine_and_fails_unit_references_served_off_unit():
+    from pipeline.serve.parity import _with_embedding_figures
+    unit = np.array([0.6, 0.8])
+    ok = _with_embedding_figures({"ok": True, "failures": []}, [({"embedding": list(unit * (1 + 5e-6))},
+                                                                   {"embedding": list(unit)})])
+    assert ok["ok"] and ok["embedding"]["unit_reference"] and ok["embedding"]["max_norm_error"] < 1e-5
+    assert ok["embedding"]["min_cosine"] == 1.0
+    off = _with_embedding_figures({"ok": True, "failures": []}, [({"embedding": list(unit * 1.0024)},
+                                                                    {"embedding": list(unit)})])
+    assert not off["ok"] and "not unit vectors" in off["failures"][0]["error"]
+    # A model without Normalize: its vectors' norms are whatever they are.
+    free = _with_embedding_figures({"ok": True, "failures": []}, [({"embedding": [3.0, 4.0]}, {"embedding": [3.0, 4.0]})])
+    assert free["ok"] and not free["embedding"]["unit_reference"]
+    assert _with_embedding_figures({"ok": True, "failures": []}, [([{"label": "a", "score": 1.0}],) * 2]) == \
+        {"ok": True, "failures": []}
+
+
 def test_response_parser_lengths_chunks_and_split_reads():
     p = ResponseParser()
     head = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nx-request-id: abc\r\n\r\n"
