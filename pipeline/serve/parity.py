@@ -82,10 +82,14 @@ def compare_response(got: Any, expected: Any, atol: float, rtol: float) -> tuple
     return (not msg, worst[0], msg)
 
 
+RERANK_KEYS = frozenset({"index", "score", "text"})
+
+
 def _index_list(value: Any) -> bool:
-    """A rerank answer: `[{"index", "score", ...}, ...]`, best first."""
+    """A rerank answer: `[{"index", "score", "text"?}, ...]`, best first (a token-classification answer
+    without aggregation also carries "index" and "score", but in text order, with its entity and word)."""
     return isinstance(value, list) and bool(value) and all(
-        isinstance(c, dict) and "index" in c and "score" in c and "label" not in c for c in value)
+        isinstance(c, dict) and "index" in c and "score" in c and set(c) <= RERANK_KEYS for c in value)
 
 
 def response_within(got: Any, expected: Any, atol: float, rtol: float,

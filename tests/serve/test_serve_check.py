@@ -54,6 +54,17 @@ def test_compare_labels_tolerates_swapped_near_ties_not_a_new_winner():
     assert not compare_response(exp[:2], exp, 1, 1)[0]                       # as many labels as expected
 
 
+def test_token_answers_without_aggregation_are_compared_in_text_order_not_as_a_ranking():
+    tokens = [{"entity": "B-PER", "score": 0.67, "index": 1, "word": "before", "start": 0, "end": 6},
+              {"entity": "B-ORG", "score": 0.97, "index": 2, "word": "bird", "start": 7, "end": 11}]
+    assert compare_response([dict(t) for t in tokens], tokens, 1e-4, 1e-3)[0]
+    moved = [dict(tokens[0], end=5), tokens[1]]
+    assert not compare_response(moved, tokens, 1e-4, 1e-3)[0]
+    ranked = [{"index": 1, "score": 0.9}, {"index": 0, "score": 0.2}]
+    ok, _, msg = compare_response([{"index": 0, "score": 0.2}, {"index": 1, "score": 0.9}], ranked, 1e-4, 1e-3)
+    assert not ok and "ranked before" in msg                 # a rerank answer is judged by its order
+
+
 def test_embedding_parity_records_cosine_and_fails_unit_references_served_off_unit():
     from pipeline.serve.parity import _with_embedding_figures
     unit = np.array([0.6, 0.8])
