@@ -169,3 +169,18 @@ def test_rerank_examples_are_a_realistic_load_and_feed_the_benchmark_served_rows
     assert adapter.example_feeds(4, seq_len=24)["input_ids"].shape == (4, 24)     # synthetic when asked
     # More rows than one request holds: the next request's rows follow.
     assert adapter.example_feeds(70)["input_ids"].shape[0] == 70
+
+
+def test_int8_calibration_rows_fan_rerank_requests_out_one_query_per_group(models, loaded):
+    """int8 calibration takes model rows, not requests: a rerank request of 10-50 texts gave 'this request
+    makes 50 rows' and every int8 variant of a reranker failed to build."""
+    from pipeline.accuracy.task_gate_text import RERANK_GROUP
+    from pipeline.build.variants.int8 import calibration_rows
+    adapter = make_adapter(models["rerank"], {"kind": "rerank", "max_length": 128, "max_texts": 64})
+    requests = adapter.example_requests(64, seed=7919)
+    rows = calibration_rows(adapter, requests, 64)
+    assert len(rows) == 70 and all(set(r) >= {"input_ids", "attention_mask"} for r in rows)
+    first = adapter.decode_request(*requests[1]).rows[:RERANK_GROUP]
+    assert all(np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(rows[RERANK_GROUP:], first))
+    one_row = loaded["text-classification"][1]
+    assert len(calibration_rows(one_row, one_row.example_requests(64, seed=1), 64)) == 64

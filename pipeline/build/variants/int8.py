@@ -42,9 +42,22 @@ from typing import Optional
 from pipeline.core.params import Int8Params, Params, Tolerance, _default_tolerances
 from pipeline.build.variants.base import BuildContext
 from pipeline.build.variants.sensitivity import Calibration, search
+from pipeline.accuracy.task_gate_text import RERANK_GROUP
 
 CALIBRATION_SEED_OFFSET = 7919     # calibration requests never repeat the golden set's
 CALIBRATION_BATCH = 8
+
+
+def calibration_rows(adapter, requests: list, wanted: int) -> list:
+    """The model rows of the example requests, `wanted` of them. A request that fans out into rows
+    (rerank: a query and its texts) gives its first RERANK_GROUP, so the rows come from several queries
+    and each run of RERANK_GROUP rows is one query, as the rerank gate reads them."""
+    rows: list = []
+    for body, content_type in requests:
+        rows.extend(adapter.decode_request(body, content_type).rows[:RERANK_GROUP])
+        if len(rows) >= wanted:
+            break
+    return rows
 GPU_INT8 = ("int8 on a GPU is TensorRT's path (a calibrated TensorRT engine), which this pipeline does not "
             "build; int8 variants are CPU variants")
 INT8_ISA = ("amx_int8", "avx512_vnni", "avx_vnni", "avx2", "asimd", "neon")
@@ -114,9 +127,9 @@ class Int8Mixin:
         """The calibration feeds and `reference(feeds)` → outputs on each batch."""
         adapter = ctx.golden.adapter()
         seed = int(ctx.golden.manifest.get("seed", 0)) + CALIBRATION_SEED_OFFSET
-        requests = adapter.example_requests(self._q().calibration_samples, seed=seed)
-        feeds = [adapter.collate([adapter.decode(body, ct) for body, ct in requests[i:i + CALIBRATION_BATCH]])
-                 for i in range(0, len(requests), CALIBRATION_BATCH)]
+        wanted = self._q().calibration_samples
+        rows = calibration_rows(adapter, adapter.example_requests(wanted, seed=seed), wanted)
+        feeds = [adapter.collate(rows[i:i + CALIBRATION_BATCH]) for i in range(0, len(rows), CALIBRATION_BATCH)]
         kind = ctx.golden.task.get("kind")
         return Calibration(feeds, [reference(f) for f in feeds], list(ctx.golden.outputs), kind,
                            classification=kind == "image-classification")
