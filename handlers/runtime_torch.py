@@ -156,14 +156,32 @@ def load_torchscript(path: Path, map_location=None):
     each tensor record is handed over as a slice of one private mapping of the file. The pickles and
     the program are torch's own, so the module is the one torch.jit.load returns. An archive this
     cannot map (a legacy one, a record not 64-byte aligned, a storage key in both pickles, another
-    torch) loads as torch.jit.load does."""
+    torch) loads as torch.jit.load does.
+
+    Either way the load runs on one intra-op thread: compiling the program pools its constants,
+    comparing every two of one shape with aten::equal (20,874 calls for XLM-R-large), each an OpenMP
+    region when torch has more threads. On a busy 2-vCPU host each region waited for a descheduled
+    thread: 2 threads took 3.9-4.5 s where 1 took 0.05 s."""
+    with _one_intra_op_thread():
+        try:
+            module = _load_script_mapped(path, map_location)
+        except Exception as e:  # a torch whose package loader differs, a file that is no archive: torch's own load
+            log.warning("memory-mapped TorchScript load of %s failed (%s: %s); loading it with torch.jit.load",
+                        path, type(e).__name__, e)
+            module = None
+        return module if module is not None else torch.jit.load(str(path), map_location=map_location)
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread():
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
     try:
-        module = _load_script_mapped(path, map_location)
-    except Exception as e:  # a torch whose package loader differs, a file that is no archive: torch's own load
-        log.warning("memory-mapped TorchScript load of %s failed (%s: %s); loading it with torch.jit.load",
-                    path, type(e).__name__, e)
-        module = None
-    return module if module is not None else torch.jit.load(str(path), map_location=map_location)
+        yield
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
 
 
 def _load_script_mapped(path: Path, map_location):

@@ -254,6 +254,29 @@ def test_torchscript_loads_as_torch_does_where_the_mapped_import_fails(tmp_path,
     assert "loading it with torch.jit.load" in caplog.text
 
 
+def test_torchscript_loads_on_one_thread_and_gives_the_threads_back(tmp_path, monkeypatch):
+    """Compiling the program compares its constants pairwise (aten::equal), each an OpenMP region with
+    more threads: the load runs on one, the runtime's threads are back after it."""
+    import torch
+    from handlers.runtime_torch import load_torchscript
+    x = torch.randn(3, 64)
+    path = tmp_path / "frozen.pt"
+    torch.jit.freeze(torch.jit.trace(_script_net(), x).eval()).save(str(path))
+    importer, seen = torch._C._import_ir_module_from_package, []
+
+    def counting(*args):
+        seen.append(torch.get_num_threads())
+        return importer(*args)
+    monkeypatch.setattr(torch._C, "_import_ir_module_from_package", counting)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        load_torchscript(path)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_torchscript_on_cpu_runs_as_saved_and_warms_up_once(tmp_path, monkeypatch):
     """Without a CPU fuser the graph runs as saved: the same outputs as the profiling executor's
     (profiled call, optimising call, optimised calls) and one warm-up call. Where the executor
