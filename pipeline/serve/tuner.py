@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import yaml
 
+from pipeline.decide.properties import warmup_rows
 from pipeline.serve.candidates import OperatingCandidate
 from pipeline.serve.decision import CandidateResult
 from pipeline.serve.http_cases import HttpCase
@@ -43,12 +44,12 @@ class ServedModel:
         handler = cfg.setdefault("handler", {})
         handler["threads"] = c.threads
         # Rows per model call (pipeline/decide/rows.py): the handler's own setting only where it
-        # differs from batchSize (a request of many rows); the warm-up runs at that many rows.
+        # differs from batchSize (a request of many rows); the warm-up at warmup_rows (1 on a CPU).
         handler.pop("batch_rows", None)
         if c.rows != c.batch_size:
             handler["batch_rows"] = c.rows
         if "warmup_batch_size" in handler:
-            handler["warmup_batch_size"] = c.rows
+            handler["warmup_batch_size"] = warmup_rows(handler.get("device"), c.rows)
         (self.store / self.folder / "model-config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 

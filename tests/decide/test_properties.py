@@ -153,7 +153,7 @@ def test_model_config_native_ints_and_both_timeouts(tmp_path):
     cfg = yaml.safe_load(path.read_text())
     assert cfg == {"minWorkers": 2, "maxWorkers": 2, "batchSize": 8, "maxBatchDelay": 5, "responseTimeout": 7,
                    "startupTimeout": 42, "jobQueueSize": 32, "deviceType": "cpu",
-                   "handler": {"threads": 1, "device": "cpu", "warmup_batch_size": 8, "max_request_bytes": 65536}}
+                   "handler": {"threads": 1, "device": "cpu", "warmup_batch_size": 1, "max_request_bytes": 65536}}
     for key, value in cfg.items():
         if key not in ("deviceType", "handler"):
             assert type(value) is int, key           # quoted "300" is ignored by TorchServe
@@ -161,6 +161,7 @@ def test_model_config_native_ints_and_both_timeouts(tmp_path):
     assert not any("'" in ln or '"' in ln for ln in body)
     gpu = model_config_dict({**DERIVATION, "device": "cuda"})
     assert gpu["deviceType"] == "gpu" and gpu["handler"]["device"] == "cuda"
+    assert gpu["handler"]["warmup_batch_size"] == 8           # a GPU warms up at a model call's rows
 
 
 @pytest.mark.parametrize("key,value,match", [("max_batch_delay_ms", 0, "100 ms"), ("workers", 0, "min > 0"),

@@ -92,7 +92,8 @@ def test_derivation_separates_requests_from_rows():
     assert d["max_batch_delay_ms"].value == 1                  # a batch of one request waits for nobody
     assert d["response_timeout_s"].inputs["model_calls"] == 2
     yaml = model_config_dict(d)
-    assert yaml["batchSize"] == 1 and yaml["handler"]["batch_rows"] == 16 and yaml["handler"]["warmup_batch_size"] == 16
+    assert yaml["batchSize"] == 1 and yaml["handler"]["batch_rows"] == 16
+    assert yaml["handler"]["warmup_batch_size"] == 1                 # a CPU warms up on one row
     # Overridden rows per call: the requests follow.
     d = _derive(3.0, overrides={"batch_rows": 32})
     assert d["batch_rows"].value == 32 and d["batch_rows"].overridden and d["batch_size"].value == 8   # min(10, 16 // 2)
@@ -102,7 +103,7 @@ def test_one_row_derivation_writes_no_batch_rows():
     d = _derive(1.0)
     assert d["batch_rows"].value == d["batch_size"].value == 8 and d["rows_per_request"].value == 1.0
     yaml = model_config_dict(d)
-    assert "batch_rows" not in yaml["handler"] and yaml["handler"]["warmup_batch_size"] == yaml["batchSize"] == 8
+    assert "batch_rows" not in yaml["handler"] and yaml["batchSize"] == 8 and yaml["handler"]["warmup_batch_size"] == 1
 
 
 def test_tune_candidates_carry_rows_and_predict_requests_per_second():

@@ -184,6 +184,121 @@ def test_eager_program_weights_are_mapped_from_the_archive_not_copied(tmp_path):
     assert _package._build_file_map.__name__ == "_build_file_map"      # torch's own again after the load
 
 
+def _script_net(constant: bool = False):
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 32)
+            self.register_buffer("shift", torch.arange(32, dtype=torch.float32))
+
+        def forward(self, x):
+            y = torch.relu(self.fc(x)) + self.shift
+            return y * torch.tensor(2.0, dtype=y.dtype) if constant else y   # a tensor constant in the trace
+
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def _graph_tensors(module) -> list:
+    """The tensors a frozen TorchScript module's graph holds as constants."""
+    import torch
+    return [n.output().toIValue() for n in module.graph.findAllNodes("prim::Constant")
+            if isinstance(n.output().type(), torch._C.TensorType)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+@pytest.mark.filterwarnings("ignore:torch.tensor results are registered as constants")
+def test_torchscript_tensors_are_mapped_from_the_archive_not_copied(tmp_path):
+    """A frozen archive's constants (fp32, bf16) and a plain trace's parameters are slices of one
+    mapping of the .pt, with torch.jit.load's code and outputs; where both pickles use one storage
+    key (a plain trace holding a tensor constant) it loads as torch.jit.load does."""
+    import torch
+    from handlers.runtime_torch import load_torchscript
+    x = torch.randn(3, 64)
+    for dtype in (torch.float32, torch.bfloat16):
+        net = _script_net().to(dtype)
+        path = tmp_path / f"frozen-{dtype}.pt"
+        torch.jit.freeze(torch.jit.trace(net, x.to(dtype)).eval()).save(str(path))
+        mapped, plain = load_torchscript(path), torch.jit.load(str(path))
+        assert str(mapped.code) == str(plain.code)
+        with torch.inference_mode():
+            for _ in range(3):       # the profiling executor's runs: profiled, optimised, then as optimised
+                assert torch.equal(mapped(x.to(dtype)), plain(x.to(dtype)))
+        constants = _graph_tensors(mapped)
+        assert constants and all(str(path.resolve()) in mapped_files(t.data_ptr()) for t in constants)
+    for constant in (False, True):
+        path = tmp_path / f"trace-{constant}.pt"
+        torch.jit.trace(_script_net(constant), x).save(str(path))
+        mapped, plain = load_torchscript(path), torch.jit.load(str(path))
+        with torch.inference_mode():
+            assert torch.equal(mapped(x), plain(x))
+        in_archive = str(path.resolve()) in mapped_files(mapped.fc.weight.data_ptr())
+        assert in_archive is (not constant)
+
+
+def test_torchscript_loads_as_torch_does_where_the_mapped_import_fails(tmp_path, monkeypatch, caplog):
+    import torch
+    from handlers.runtime_torch import load_torchscript
+    x = torch.randn(3, 64)
+    path = tmp_path / "frozen.pt"
+    torch.jit.freeze(torch.jit.trace(_script_net(), x).eval()).save(str(path))
+
+    def broken(*args):
+        raise RuntimeError("a package loader of another kind")
+    monkeypatch.setattr(torch._C, "_import_ir_module_from_package", broken)
+    module = load_torchscript(path)
+    with torch.inference_mode():
+        assert torch.equal(module(x), torch.jit.load(str(path))(x))
+    assert "loading it with torch.jit.load" in caplog.text
+
+
+def test_torchscript_loads_on_one_thread_and_gives_the_threads_back(tmp_path, monkeypatch):
+    """Compiling the program compares its constants pairwise (aten::equal), each an OpenMP region with
+    more threads: the load runs on one, the runtime's threads are back after it."""
+    import torch
+    from handlers.runtime_torch import load_torchscript
+    x = torch.randn(3, 64)
+    path = tmp_path / "frozen.pt"
+    torch.jit.freeze(torch.jit.trace(_script_net(), x).eval()).save(str(path))
+    importer, seen = torch._C._import_ir_module_from_package, []
+
+    def counting(*args):
+        seen.append(torch.get_num_threads())
+        return importer(*args)
+    monkeypatch.setattr(torch._C, "_import_ir_module_from_package", counting)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        load_torchscript(path)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_torchscript_on_cpu_runs_as_saved_and_warms_up_once(tmp_path, monkeypatch):
+    """Without a CPU fuser the graph runs as saved: the same outputs as the profiling executor's
+    (profiled call, optimising call, optimised calls) and one warm-up call. Where the executor
+    optimises (a GPU) it keeps it and warms up twice."""
+    import torch
+    import handlers.runtime_torch as rt_torch
+    folder = write_variant(tmp_path / "ts", family="torch", format="torchscript", artifact="model.pt")
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    torch.jit.freeze(torch.jit.trace(_script_net(), torch.from_numpy(x)).eval()).save(str(folder / "model.pt"))
+    plain = torch.jit.load(str(folder / "model.pt"))
+    runtime = load_runtime(folder, threads=1)
+    assert runtime.plain_executor and runtime.warmup_calls == 1
+    with torch.inference_mode():
+        for n in range(1, 5):
+            (y,) = runtime.run({"x": x[:n % 3 + 1]})
+            np.testing.assert_array_equal(y, plain(torch.from_numpy(x[:n % 3 + 1])).numpy())
+    assert torch._C._get_graph_executor_optimize()            # the switch is back after each call
+    monkeypatch.setattr(rt_torch, "executor_optimizes", lambda device: True)
+    runtime = load_runtime(folder, threads=1)
+    assert not runtime.plain_executor and runtime.warmup_calls == 2
+
+
 def test_clear_errors_for_bad_folders_and_devices(tmp_path):
     with pytest.raises(RuntimeLoadError, match="stages.convert"):
         load_runtime(tmp_path / "nothing")

@@ -176,7 +176,7 @@ def test_rerank_cases_have_exactly_the_texts_asked(tmp_path):
 
 def test_the_tuner_serves_each_candidates_rows_per_call(tmp_path):
     """A candidate's rows per model call reach the handler (model-config.yaml handler.batch_rows) only
-    where they differ from its batchSize; the warm-up runs at that many rows."""
+    where they differ from its batchSize; the warm-up runs on one row on a CPU, at that many rows on a GPU."""
     import yaml
     from pipeline.serve.candidates import OperatingCandidate
     from pipeline.serve.tuner import ServedModel
@@ -188,9 +188,12 @@ def test_the_tuner_serves_each_candidates_rows_per_call(tmp_path):
         model.write_yaml(c)
         return yaml.safe_load((tmp_path / "m" / "model-config.yaml").read_text())
     cfg = served(OperatingCandidate("batch 64 rows", 2, 5, 1, 1, "larger batch", batch_rows=64))
-    assert cfg["batchSize"] == 2 and cfg["handler"]["batch_rows"] == 64 and cfg["handler"]["warmup_batch_size"] == 64
+    assert cfg["batchSize"] == 2 and cfg["handler"]["batch_rows"] == 64 and cfg["handler"]["warmup_batch_size"] == 1
     cfg = served(OperatingCandidate("one row each", 8, 5, 1, 1, "offline"))
-    assert cfg["batchSize"] == 8 and "batch_rows" not in cfg["handler"] and cfg["handler"]["warmup_batch_size"] == 8
+    assert cfg["batchSize"] == 8 and "batch_rows" not in cfg["handler"] and cfg["handler"]["warmup_batch_size"] == 1
+    model.base_yaml["handler"]["device"] = "cuda"
+    cfg = served(OperatingCandidate("batch 64 rows", 2, 5, 1, 1, "larger batch", batch_rows=64))
+    assert cfg["handler"]["warmup_batch_size"] == 64
 
 
 def test_the_report_and_summary_show_the_rerank_figure(tmp_path):
