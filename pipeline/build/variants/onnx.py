@@ -23,6 +23,7 @@ every weight at load.
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import warnings
@@ -43,6 +44,7 @@ from pipeline.model.weights import module_bytes
 
 log = logging.getLogger(__name__)
 ARTIFACT = "model.onnx"
+FUSION_RECORD = "fusion.json"          # the fusion's record, kept with the fused export in the cache
 DATA_SUFFIX = ".data"                  # model.onnx -> model.onnx.data (the exporters' convention)
 # The dynamo exporter's passes log every step at INFO; keep the conversion log readable.
 for _name in ("onnx_ir", "onnxscript", "torch.onnx"):
@@ -90,17 +92,30 @@ class OnnxConverter(Converter):
         raw = raw_dir / "raw.onnx"
         final = ctx.out_dir / ARTIFACT
         try:
+            # The cached entry is the export with its attention fused (`_fuse`): the fusion is a function
+            # of the export, the fusion code and the golden batches it is checked on, and took ~14 s of
+            # each ONNX variant of a 2 GB model (issue 30), so its key holds those too.
+            check = check_feeds(ctx.golden) if self.options.fusions else []
             key = export_key(module, self._export_inputs(ctx),
-                             {"dynamo": dynamo, "external": external, "opset": self.options.opset, "device": ctx.device},
-                             [Path(__file__)])
-            export = cached_export(key, raw, lambda: self._export(ctx, raw, dynamo, external),
-                                   lambda: [p for p in (raw, data_file(raw)) if p.is_file()])
-            # Every later step reads the exported graph: the torch module's weights would only add
-            # a copy of the model to the ONNX steps' own (quantizing needs two).
+                             {"dynamo": dynamo, "external": external, "opset": self.options.opset, "device": ctx.device,
+                              "fusions": self.options.fusions, "fusion_check": _feeds_digest(check)},
+                             [Path(__file__), Path(fuse_attention.__code__.co_filename)])
             del module
-            if ctx.loaded.release_module():
-                log.info("%s: torch module released after the export (the ONNX steps use the graph)", self.name)
-            fusion = self._fuse(ctx, raw)
+
+            def export_and_fuse() -> None:
+                self._export(ctx, raw, dynamo, external)
+                self._release(ctx)
+                (raw_dir / FUSION_RECORD).write_text(json.dumps(self._fuse(ctx, raw, check)))
+
+            export = cached_export(key, raw, export_and_fuse,
+                                   lambda: [p for p in (raw, data_file(raw), raw_dir / FUSION_RECORD) if p.is_file()])
+            self._release(ctx)
+            if (raw_dir / FUSION_RECORD).is_file():
+                fusion = json.loads((raw_dir / FUSION_RECORD).read_text())
+                if export["reused"] and self.options.fusions:
+                    fusion["reused"] = True          # fused (and checked) by the build that kept the entry
+            else:                                    # an entry without the fusion's record: fuse here
+                fusion = self._fuse(ctx, raw, check)
             self._transform(raw)
             external = self._optimize(ctx, raw, final)     # the artifact's own form (int8 decides by its size)
         finally:
@@ -153,12 +168,18 @@ class OnnxConverter(Converter):
             raise RuntimeError(f"the exporter wrote external data beside {path.name} for a model under "
                                f"{self.options.external_data_min_bytes} bytes of weights")
 
-    def _fuse(self, ctx: BuildContext, raw: Path) -> dict:
-        """Attention fused in the fp32 export, checked on the largest and the smallest golden batch."""
+    def _release(self, ctx: BuildContext) -> None:
+        """Every step after the export reads the exported graph: the torch module's weights would only
+        add a copy of the model to the ONNX steps' own (quantizing needs two)."""
+        if ctx.loaded.module is not None and ctx.loaded.release_module():
+            log.info("%s: torch module released after the export (the ONNX steps use the graph)", self.name)
+
+    def _fuse(self, ctx: BuildContext, raw: Path, check: list[dict]) -> dict:
+        """Attention fused in the fp32 export, checked on `check` (the largest and the smallest golden batch)."""
         if not self.options.fusions:
             return {"applied": False, "reason": "conversion.onnx_fusions is off"}
         data = data_file(raw)
-        return fuse_attention(raw, data.name if data.exists() else None, check_feeds(ctx.golden))
+        return fuse_attention(raw, data.name if data.exists() else None, check)
 
     def _transform(self, path: Path) -> None:
         """Hook for subclasses (fp16); the fp32 variant keeps the exported graph."""
@@ -205,6 +226,19 @@ class OnnxFloat16Converter(OnnxConverter):
             # model it would return a second in-memory copy of every weight first.
             model = convert_float_to_float16(str(path), keep_io_types=True)
         _save(model, path, external)
+
+
+def _feeds_digest(feeds: list[dict]) -> str:
+    """sha256 of feeds (names, dtypes, shapes, bytes): what the fusion check ran on, for the cache key."""
+    import hashlib
+    import numpy as np
+    h = hashlib.sha256()
+    for f in feeds:
+        for name in sorted(f):
+            a = np.ascontiguousarray(f[name])
+            h.update(f"{name}:{a.dtype}:{a.shape}".encode())
+            h.update(a.tobytes())
+    return h.hexdigest()[:32]
 
 
 def data_file(model_path: Path) -> Path:
