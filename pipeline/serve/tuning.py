@@ -92,6 +92,9 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
     try:
         phase1, d1, extra1 = _served_phase(tuner, bar, candidates, s, objective, fresh=False)
         final, phase2, d2, extra2 = phase1[d1["chosen"]], [], None, 0
+        # Side by side: only the chosen point's server stays up; it serves the frontend phase's
+        # default-frontend setup (the same point) and the capacity measurement.
+        tuner.release(keep=(final.candidate,))
         if not s.frontend:
             worth, frontend_why = False, "tune.frontend is false"
         elif not final.served:
@@ -103,6 +106,7 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
             phase2, d2, extra2 = _served_phase(tuner, bar, frontend_candidates(final.candidate), s, objective,
                                                fresh=True)
             final = phase2[d2["chosen"]]
+            tuner.release(keep=(final.candidate,))
         if bar is not None:
             bar.total += 1
         capacity = None
@@ -111,6 +115,7 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
         elif bar is not None:
             bar.update()
     finally:
+        tuner.close()
         if bar is not None:
             bar.close()
         shutil.rmtree(tuner.workroot, ignore_errors=True)
@@ -129,7 +134,7 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
         "frontend_skipped": None if d2 else frontend_why,
         **verdict,
         "extra_rounds": {"operating_point": extra1, "frontend": extra2},
-        "server_starts": tuner.starts, "registrations": tuner.registrations,
+        "server_starts": tuner.starts, "registrations": tuner.registrations, "servers_reused": tuner.reused,
         "server_start_s": [round(x, 2) for x in tuner.start_s],
         "duration_s": round(time.monotonic() - t0, 1),
     }
