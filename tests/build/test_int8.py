@@ -711,3 +711,31 @@ def test_smoothing_errors_for_every_alpha_at_once_equal_each_alpha_alone(static)
         assert together[a] == one_alpha([group], inputs, weights, a, False, True, static)
         assert smoothing.local_errors([group], inputs, weights, a, False, True, static) == together[a]
     assert together[0.8]["m1"] != together[None]["m1"]
+
+
+def test_torch_int8_attempts_quantize_each_linear_once_and_equal_quantize_dynamic():
+    """Issue 30: every attempt of the torch int8 search quantized all its Linears again (~1 s a
+    2 GB model's attempt); each is now quantized once per build by quantize_dynamic's own path, and
+    an attempt is the module quantize_dynamic makes with that kept set: same types, same outputs."""
+    import types
+
+    import torch
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    from pipeline.build.variants.base import module_copy
+    from pipeline.build.variants.torch_int8 import Attempts
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 8))).eval()
+    names = ["0", "2.0", "2.1"]
+    attempts = Attempts(types.SimpleNamespace(module=model), names, None, per_channel=True)
+    x = torch.randn(4, 16)
+    for kept in ([], ["2.0"], ["0", "2.1"], []):
+        got = attempts.quantize(kept, None)
+        want = quantize_dynamic(module_copy(model), {n: per_channel_dynamic_qconfig for n in set(names) - set(kept)},
+                                dtype=torch.qint8, inplace=True)
+        assert [type(m) for m in got.modules()] == [type(m) for m in want.modules()]
+        assert torch.equal(got(x), want(x))
+    assert set(attempts.quantized) == set(names)                  # each quantized once, reused after
+    assert all(isinstance(m, torch.nn.Linear) for m in model.modules() if not isinstance(m, (torch.nn.Sequential,
+                                                                                          torch.nn.ReLU)))
