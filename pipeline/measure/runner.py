@@ -134,7 +134,7 @@ class BenchmarkSettings:
     max_cv: float = 0.15
     min_gain: float = 0.05
     sweep_patience: int = 2
-    latency_cap_ms: float = 500.0     # see pipeline.core.params.BenchmarkParams
+    latency_cap_ms: float = 400.0     # see pipeline.core.params.BenchmarkParams
     text_length: int = 24
     tensorrt: bool = False           # ONNX on CUDA: ask the loader for the TensorRT EP first
     from_disk: bool = True           # one more cold start with the artifact dropped from the page cache
