@@ -403,7 +403,9 @@ def test_the_required_repeat_round_gets_what_the_budget_leaves_after_the_loads_t
     budget.loaded(5.0)
     assert not budget.required_round() and not budget.round_allowed()    # 36 + 18 + 5 > 40
     assert budget.as_dict()["round_allowance_s"] == [14.0]
-    no_disk = ProcessBudget(40.0, clock=lambda: 10.0)
+    now[0] = 0.0
+    no_disk = ProcessBudget(40.0, clock=lambda: now[0])
+    now[0] = 10.0
     no_disk.loaded(5.0)
     assert no_disk.reserve_s == 0.0 and no_disk.round_allowance() == 25.0
     assert ProcessBudget(0.0).round_allowance() is None                    # no budget: no limit
