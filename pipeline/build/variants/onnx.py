@@ -274,13 +274,17 @@ def _rename_shadowed_outputs(path: Path) -> None:
                 rename[o] = n.output[j] = f"{o}__shadowed{i}"
             else:
                 rename.pop(o, None)
+    path.unlink()                  # a new file (see `_save`)
     onnx.save(model, str(path))
 
 
 def _internalize(path: Path) -> None:
-    """Rewrite `path` as one file, its external tensors inside (it must fit protobuf's 2 GB)."""
+    """Rewrite `path` as one file, its external tensors inside (it must fit protobuf's 2 GB): a new
+    file, never the old one's bytes rewritten (it may be a link into the export cache)."""
     import onnx
-    onnx.save(_load(path), str(path))
+    model = _load(path)
+    path.unlink()
+    onnx.save(model, str(path))
     data_file(path).unlink()
 
 
@@ -291,10 +295,12 @@ def _load(path: Path):
 
 def _save(model, path: Path, external: bool) -> None:
     """Save `model` as `path` (+ one data file when external); other files beside it are removed
-    first (the tensors are in memory now), so stale per-tensor files never mix in."""
+    first (the tensors are in memory now), so stale per-tensor files never mix in, and `path` too:
+    the saved files are new ones, never an old file's bytes rewritten (an export restored from the
+    cache is a hard link to the cached copy)."""
     import onnx
     for p in path.parent.iterdir():
-        if p != path and p.is_file():
+        if p.is_file():
             p.unlink()
     onnx.save(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
               location=data_file(path).name)
