@@ -204,7 +204,9 @@ def measure_fresh_processes(model_dir, runs: int, artifact_paths: Sequence[Path]
             rounds.append(run.steady)
         if on_run:
             on_run(i, run)
-    raw = raw_read_seconds(artifact_paths, repeats=runs)
+    # As many reads of the bytes as cold loads were measured (the budget may have started fewer
+    # processes than `runs`: a 2 GB variant read its artifact 5 times beside its 2 loads).
+    raw = raw_read_seconds(artifact_paths, repeats=len(samples))
     disk = None
     if from_disk:
         disk = measure_from_disk(artifact_paths, lambda: run_fresh_process(
