@@ -57,10 +57,10 @@ class Tuner:
 
     side_by_side (when the host's memory holds every candidate's workers at once): one server per
     candidate, all up together, measured one at a time, so each pays one start whatever the rounds.
-    They stay up between calls (`release` stops those no longer needed, all at once; `close` the
-    rest): an undecided candidate's extra round, the chosen point's default-frontend setup and its
-    capacity measurement are served by the server it already has (a 2 GB model's start and stop
-    took ~9 s each). Otherwise candidates that differ only in model settings (batch, delay, workers, threads) share
+    They stay up between calls (`release` stops those no longer needed, all at once, so their JVMs'
+    shutdowns overlap; `close` the rest): an undecided candidate's extra round and the chosen
+    point's capacity measurement are served by the server it already has (a 2 GB model's start and
+    stop took ~9 s each). Otherwise candidates that differ only in model settings (batch, delay, workers, threads) share
     ONE server: the model is unregistered and registered again through the management API (enabled
     only in the tuner's own servers), a worker start per measurement instead of a JVM start; and
     frontend settings (`fresh=True`) get a fresh server per measurement."""

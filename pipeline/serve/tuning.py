@@ -92,9 +92,6 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
     try:
         phase1, d1, extra1 = _served_phase(tuner, bar, candidates, s, objective, fresh=False)
         final, phase2, d2, extra2 = phase1[d1["chosen"]], [], None, 0
-        # Side by side: only the chosen point's server stays up; it serves the frontend phase's
-        # default-frontend setup (the same point) and the capacity measurement.
-        tuner.release(keep=(final.candidate,))
         if not s.frontend:
             worth, frontend_why = False, "tune.frontend is false"
         elif not final.served:
@@ -102,6 +99,10 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
         else:
             worth, frontend_why = frontend_worth_tuning(final)
         log.info("frontend settings: %s", frontend_why)
+        # Side by side, the servers still up are stopped together. The frontend setups all start fresh
+        # (the chosen point's server, warmed by the rounds above, would have the JVM's compiled code
+        # ahead of them); the final point's server stays up for the capacity measurement.
+        tuner.release(keep=() if worth else (final.candidate,))
         if worth:
             phase2, d2, extra2 = _served_phase(tuner, bar, frontend_candidates(final.candidate), s, objective,
                                                fresh=True)

@@ -47,6 +47,7 @@ class FakeServer:
 def _load(ts, cases, requests, concurrency, time_cap_s, request_timeout_s=None):
     """Throughput by server: the one without system metrics serves more; p99 past any SLO."""
     tp = 60.0 if ts.frontend.get("disable_system_metrics") else 50.0
+    ts.events.append(("load", concurrency))
     return LoadResult(requests, 100, 100, 100, 0, 0, 0, 200.0, 500.0, 250.0, tp, 2.0, concurrency, True,
                       batch_sizes_seen={"4": 25})
 
@@ -65,18 +66,23 @@ def _cand(name, batch):
                               predicted={"request_p99_ms": 150.0, "throughput_rps": 100.0})
 
 
-def test_side_by_side_servers_serve_the_frontend_default_and_the_capacity_then_all_stop(served, tmp_path):
+def test_side_by_side_the_capacity_is_measured_on_the_chosen_server_and_every_server_stops(served, tmp_path):
     s = TuneSettings(latency_slo_ms=200, expected_concurrency=16, rounds=2, max_rounds=2, side_by_side=True)
     record = tune(served, [], [_cand("offline choice", 4), _cand("batch 8", 8)], s, workroot=tmp_path / "w")
-    # 2 candidates + the 2 frontend alternatives; the default-frontend setup of the chosen point and
-    # the capacity measurement are served by the chosen point's server (before: 2 + 3 + 1 starts)
-    assert record["server_starts"] == 4 == len(FakeServer.all)
-    assert record["servers_reused"] == 2
+    # 2 candidates + the 3 frontend setups, all fresh (a server warmed by the first phase would have
+    # the JVM's compiled code ahead of the fresh ones); the capacity measurement is served by the
+    # chosen setup's server (before: one more start)
+    assert record["server_starts"] == 5 == len(FakeServer.all)
+    assert record["servers_reused"] == 1
     assert record["frontend"]["chosen"] == {"disable_system_metrics": True}
     assert record["inflight_within_slo"] is None and record["capacity"]["levels"]
-    for ts in FakeServer.all:                                  # each started once, stopped once at the end
+    for ts in FakeServer.all:                                  # each started once, stopped once
         assert ts.events[0] == "start" and ts.events.count("start") == 1
         assert ts.events[-2:] == ["request_stop", "stop"]
+    (chosen,) = [ts for ts in FakeServer.all if ts.frontend.get("disable_system_metrics")]
+    capacity = [e[1] for e in chosen.events if isinstance(e, tuple)][-4:]
+    assert capacity == [8, 4, 2, 1]                            # the capacity levels, on the chosen server
+    assert FakeServer.all[0].events[-1] == "stop"               # the first phase's were stopped before
 
 
 def test_release_stops_the_servers_not_kept_all_asked_before_any_is_waited_for(served, tmp_path, monkeypatch):
