@@ -152,8 +152,10 @@ class BenchmarkParams:
     # short rounds rather than three longer ones: on a shared host the rounds disagree far more than
     # the calls inside one do, so for the same measuring time more rounds give a steadier figure.
     steady_runs: int = 5
-    # Per variant: no fresh process starts once it would pass this many seconds (after 2 rounds and
-    # 2 cold loads; 0: no limit), so a GB-sized model does not spend minutes on rounds a small one gets.
+    # Per variant, the start from disk included (0: no limit): no optional fresh process starts once it
+    # would pass this many seconds; the 2 required rounds (their processes the 2 cold loads) always run,
+    # the second measuring for what is left (pipeline/measure/runner.py ProcessBudget), so a GB-sized
+    # model does not spend minutes on rounds a small one gets.
     budget_s: float = 40.0
     # ...and no further steady round once every size's round p50s agree within this (0: never stop
     # early): another round would move the figures less than the tie band selection applies anyway.
