@@ -88,9 +88,6 @@ def main(argv=None) -> int:
             return 2
         baseline = ServerSpec(name, built["baseline"].store, built["baseline"].config) if "baseline" in built else None
         alternate = next((spec for f, spec in forms.items() if f != form), None)
-        # The server's own floor, measured first, as the model is served (pipeline/serve/server_floor.py):
-        # READY is judged against floor + raw read of the artifact.
-        floor = measure_server_floor(workers=workers_in_derivation(derivation), config=config, env=env)
         record = serve_check(forms[form], baseline, cases, task=params.model.task,
                              atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,
                              concurrency=sc.concurrency, time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s,
@@ -107,6 +104,17 @@ def main(argv=None) -> int:
     record["reference_archives"] = {"scratch": str(scratch), "removed": not scratch.exists(),
                                     **{k: b.as_record(BASELINE_DIR if k == "baseline" else HANDTUNED_DIR)
                                        for k, b in built.items()}}
+    # The server's own floor, as the model is served (pipeline/serve/server_floor.py): READY is judged
+    # against floor + raw read of the artifact. The empty-answer ceiling served in the references'
+    # rounds is that start already (a do-nothing model, the served config, workers and environment,
+    # after the run's earlier starts); only without it is a do-nothing model started for it.
+    workers = workers_in_derivation(derivation)
+    floor = floor_from_ceiling(record.get("references"), workers)
+    if floor:
+        log.info("server floor: the empty-answer ceiling's start, a do-nothing model, %d worker(s), READY in %.2f s "
+                 "(WorkerLoadTime %s ms)", workers, floor["ready_s"], floor["worker_load_ms"])
+    else:
+        floor = measure_server_floor(workers=workers, config=config, env=env)
     record["server_floor"] = floor
     if record["ready"]:
         raw_read_ms = (((derivation or {}).get("startup_timeout_s") or {}).get("inputs") or {}).get("raw_read_ms")
@@ -123,6 +131,20 @@ def main(argv=None) -> int:
             log.error("serve_check failed: %s", f)
         return 1
     return 0
+
+
+def floor_from_ceiling(references: Optional[dict], workers: int) -> Optional[dict]:
+    """The server floor from the empty-answer ceiling's starts in the references' rounds (a do-nothing
+    model served as the model is: the served config.properties, model-config.yaml's workers, the
+    start command's environment; after the run's earlier starts, so primed): the fastest READY. None
+    when it was not served."""
+    rounds = ((((references or {}).get("setups") or {}).get(CEILING_EMPTY) or {}).get("rounds")) or []
+    ready = [r for r in rounds if r.get("ok") and r.get("ready_s") is not None]
+    if not ready:
+        return None
+    best = min(ready, key=lambda r: r["ready_s"])
+    return {"ready": True, "ready_s": best["ready_s"], "worker_load_ms": best.get("worker_load_ms"),
+            "workers": workers, "primed": True, "measured_by": CEILING_EMPTY}
 
 
 def handtuned_setup(params) -> dict:

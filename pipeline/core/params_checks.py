@@ -176,6 +176,14 @@ def check_serve(p: Params) -> None:
          "null (the read speed measured on this host) or a positive MB/s, e.g. 200"),
         ("folder_store_min_mb", sv.folder_store_min_mb, sv.folder_store_min_mb >= 0,
          "MB >= 0 (0: always serve from the unpacked folder)")))
+    cap = p.benchmark.latency_cap_ms
+    if sv.latency_slo_ms > cap:
+        # The sweep stops after the first batch past the cap: a batch the SLO could serve beyond it
+        # would never be measured, and selection would not know it.
+        raise bad_value("serve.latency_slo_ms", sv.latency_slo_ms,
+                        f"at most benchmark.latency_cap_ms ({cap:g} ms): the benchmark's sweep stops after the "
+                        f"first batch whose p99 passes the cap, so batches this SLO could serve would go "
+                        f"unmeasured; raise benchmark.latency_cap_ms too (the benchmarks then run again)")
 
 
 def check_tune(p: Params) -> None:

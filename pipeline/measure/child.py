@@ -122,15 +122,21 @@ def steady_round(runtime, make_feeds, model_dir: str, device: str, threads, seq_
         feeds = {b: make_feeds(model_dir, b, seq_len) for b in spec.batch_sizes}
         gpu.start()
         cpu0, wall0 = time.process_time(), time.monotonic()
+        ran: dict = {}
         summaries = measure_interleaved({b: (lambda x=x: runtime.run(x)) for b, x in feeds.items()}, rule,
                                         spec.passes, spec.warmup_iters, spec.warmup_max_s, sync=sync,
                                         after_call=after_call,
-                                        after_pass=lambda: reference_ms.append(reference_window_ms()))
+                                        after_pass=lambda: reference_ms.append(reference_window_ms()),
+                                        max_s=spec.max_s, done=ran)
+        passes = {"run": ran.get("passes"), "of": spec.passes, "max_s": spec.max_s}
         share = cpu_share_since(cpu0, wall0)
         for b, s in summaries.items():
             record(b, s, s.cv > spec.max_cv, False, s.cv, share)
-    return {"points": points, "stopped_early": stopped_early, "peak_rss_mb": memory.peak_rss_mb(),
-            "reference_ms": reference_ms}
+    out = {"points": points, "stopped_early": stopped_early, "peak_rss_mb": memory.peak_rss_mb(),
+           "reference_ms": reference_ms}
+    if not spec.sweep:
+        out["passes"] = passes
+    return out
 
 
 def run_child(loader_spec: str, feeds_spec: str, model_dir: str, device: str, threads, seq_len,

@@ -33,17 +33,26 @@ STEADY_ROUND_TIMEOUT_S = 1800.0
 
 @dataclass
 class ProcessBudget:
-    """How many fresh processes a variant gets: up to steady_runs rounds and cold_runs cold loads,
-    but none is started once the time spent plus what such a process took so far (its mean) would
-    pass `budget_s` — after at least MIN_STEADY_ROUNDS rounds (a spread needs two) and MIN_COLD_RUNS
-    cold loads (the rounds' own processes are cold loads too, so a big model gets no cold-only
-    one). A round that does not fit becomes a cold load only. For a 90 MB model every process fits
-    (a few seconds each); a 1.3 GB one spends 8 s on each load and 30 s on each round, and five of
-    each would take three minutes per variant."""
+    """How many fresh processes a variant gets, and how long its required rounds measure, so that its
+    whole benchmark — cold loads, steady rounds and the start from disk — stays within `budget_s`
+    (0: no limit):
+    - the required processes always run: MIN_STEADY_ROUNDS rounds (a spread needs two) and
+      MIN_COLD_RUNS cold loads (the rounds' own processes are cold loads too, so a big model gets
+      no cold-only one); but a required repeat round measures for at most what is left of the
+      budget after its own cold load and the start from disk still to come (`round_allowance`: its
+      interleaved passes stop there, the first always runs);
+    - an optional process (a further round, a cold-only load) is not started once the time spent,
+      plus what such a process took so far (its mean), plus the start from disk still to come
+      (`reserve_s`), would pass the budget. A round that does not fit becomes a cold load only.
+    For a 90 MB model every process fits (a few seconds each); a 2.2 GB one spends 3–5 s on each
+    load and 15–20 s on each round, so two rounds and the start from disk already fill the budget."""
     budget_s: float                       # 0: no limit
     clock: Callable[[], float] = time.monotonic
     took: dict = field(default_factory=lambda: {"steady": [], "cold": []})
     cut: int = 0                          # processes not started or downgraded
+    disk_load: bool = False               # a start from disk follows the series (benchmark.from_disk)
+    loads: list = field(default_factory=list)         # each process's cold load (spawn → first call), s
+    allowances: list = field(default_factory=list)    # what each required repeat round was allowed, s
 
     def __post_init__(self):
         self.started = self.clock()
@@ -51,15 +60,29 @@ class ProcessBudget:
     MIN_STEADY_ROUNDS = 2
     MIN_COLD_RUNS = 2
 
+    def loaded(self, seconds: float) -> None:
+        self.loads.append(seconds)
+
+    def _load_guess(self) -> float:
+        return sum(self.loads) / len(self.loads) if self.loads else 0.0
+
+    @property
+    def reserve_s(self) -> float:
+        """The start from disk still to come: one more cold load (the mean so far)."""
+        return self._load_guess() if self.disk_load else 0.0
+
     def _fits(self, kind: str) -> bool:
         past = self.took[kind] or self.took["steady"] or self.took["cold"]
         guess = sum(past) / len(past) if past else 0.0
-        return not self.budget_s or self.clock() - self.started + guess <= self.budget_s
+        return not self.budget_s or self.clock() - self.started + guess + self.reserve_s <= self.budget_s
 
     settled: bool = False                 # the rounds agree: no further process is needed for them
 
+    def required_round(self) -> bool:
+        return len(self.took["steady"]) < self.MIN_STEADY_ROUNDS
+
     def round_allowed(self, rounds_agree: bool = False) -> bool:
-        if len(self.took["steady"]) < self.MIN_STEADY_ROUNDS:
+        if self.required_round():
             return True
         if rounds_agree:
             self.settled = True
@@ -67,6 +90,16 @@ class ProcessBudget:
             return True
         self.cut += 1
         return False
+
+    def round_allowance(self) -> Optional[float]:
+        """Seconds a required repeat round may measure for: the budget less the time spent, its own
+        cold load and the start from disk still to come (each the mean cold load so far); None
+        without a budget."""
+        if not self.budget_s:
+            return None
+        left = self.budget_s - (self.clock() - self.started) - self._load_guess() - self.reserve_s
+        self.allowances.append(round(max(0.0, left), 2))
+        return max(0.0, left)
 
     def stop_before(self, i: int, spec) -> bool:
         if spec is not None or i < self.MIN_COLD_RUNS or (not self.settled and self._fits("cold")):
@@ -80,6 +113,7 @@ class ProcessBudget:
     def as_dict(self) -> dict:
         return {"budget_s": self.budget_s, "steady_rounds": len(self.took["steady"]),
                 "cold_only": len(self.took["cold"]), "cut": self.cut, "rounds_agreed": self.settled,
+                "round_allowance_s": list(self.allowances) or None,
                 "spent_s": round(self.clock() - self.started, 2)}
 
 
@@ -100,7 +134,7 @@ class BenchmarkSettings:
     max_cv: float = 0.15
     min_gain: float = 0.05
     sweep_patience: int = 2
-    latency_cap_ms: float = 1000.0
+    latency_cap_ms: float = 400.0     # see pipeline.core.params.BenchmarkParams
     text_length: int = 24
     tensorrt: bool = False           # ONNX on CUDA: ask the loader for the TensorRT EP first
     from_disk: bool = True           # one more cold start with the artifact dropped from the page cache
@@ -112,10 +146,10 @@ class BenchmarkSettings:
         shared = {f.name: getattr(bp, f.name) for f in fields(cls) if hasattr(bp, f.name)}
         return cls(**{**shared, "batch_sizes": tuple(bp.batch_sizes)})
 
-    def round_spec(self, batch_sizes, sweep: bool) -> RoundSpec:
+    def round_spec(self, batch_sizes, sweep: bool, max_s: Optional[float] = None) -> RoundSpec:
         return RoundSpec(tuple(batch_sizes), sweep, self.interleave_passes, self.warmup_iters, self.warmup_max_s, self.min_iters,
                          self.min_duration_s, self.max_cv, self.min_gain, self.sweep_patience, self.latency_cap_ms,
-                         self.point_max_s or None)
+                         self.point_max_s or None, max_s)
 
 
 def outcome_record(variant: str, status: str, reason: Optional[str], device: str,
@@ -197,21 +231,27 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
     started = time.monotonic()
     processes = max(settings.cold_runs, settings.steady_runs)   # every steady round starts as a cold run
     bar = _progress(processes, f"benchmark {variant}")
-    budget = ProcessBudget(settings.budget_s)
+    budget = ProcessBudget(settings.budget_s, disk_load=settings.from_disk)
     current = {"kind": "cold", "since": time.monotonic()}
 
     def round_for(i: int, done: list) -> Optional[RoundSpec]:
         spec = None
         if i == 0:
             spec = settings.round_spec(settings.batch_sizes, sweep=True)
-        elif i < settings.steady_runs and budget.round_allowed(rounds_agree(done, settings.rounds_agree_within)):
-            sizes = repeat_sizes(done[0], settings.latency_cap_ms)
-            spec = settings.round_spec(sizes, sweep=False) if sizes else None
+        elif i < settings.steady_runs:
+            required = budget.required_round()
+            if budget.round_allowed(rounds_agree(done, settings.rounds_agree_within)):
+                sizes = repeat_sizes(done[0], settings.latency_cap_ms)
+                if sizes:
+                    spec = settings.round_spec(sizes, sweep=False,
+                                               max_s=budget.round_allowance() if required else None)
         current.update(kind="cold" if spec is None else "steady", since=time.monotonic())
         return spec
 
-    def on_run(i: int):
+    def on_run(i: int, run=None):
         budget.ran(current["kind"], time.monotonic() - current["since"])
+        if run is not None and run.phases.get("total"):
+            budget.loaded(run.phases["total"])
         bar.update()
 
     try:
@@ -244,6 +284,10 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
     cold = runs.cold.as_dict()
     if runs.disk is not None:
         cold["from_disk"] = runs.disk.as_dict()
+    passes = [r["passes"] for r in runs.rounds if r.get("passes")]
+    if any(p.get("run") is not None and p["run"] < p["of"] for p in passes):
+        log.info("%s: repeat round(s) cut to fit benchmark.budget_s %g s: passes %s", variant, settings.budget_s,
+                 [f"{p['run']}/{p['of']}" for p in passes])
     record.update({
         "cold_load": cold,
         "steady": steady,
@@ -252,7 +296,7 @@ def benchmark_variant(model_dir, variant: str, settings: BenchmarkSettings, devi
         "host_reference": reference,
         "noisy": any(p["noisy"] for p in steady.values()),
         "settings": asdict(settings),
-        "processes": budget.as_dict(),
+        "processes": {**budget.as_dict(), "repeat_passes": passes or None},
         "duration_s": round(time.monotonic() - started, 2),
     })
     if feeds == DEFAULT_FEEDS and meta.get("task", {}).get("tokenizer"):

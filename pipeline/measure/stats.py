@@ -210,6 +210,7 @@ class DiskLoad:
     artifact_bytes: int
     resident_share: Optional[float]     # share of the bytes still cached after dropping them (≈ 0)
     reason: Optional[str] = None
+    raw_read_bytes: Optional[int] = None  # bytes the disk read timed (a sample of a big artifact; None: all)
 
     @classmethod
     def unavailable(cls, reason: str, artifact_bytes: int,
@@ -234,6 +235,9 @@ class DiskLoad:
                 "total_ms": rounded(self.phases.get("total", 0.0) * 1e3),
                 "raw_read_ms": rounded(self.raw_read_s * 1e3 if self.raw_read_s else None),
                 "raw_read_mb_s": rounded(mb_s, 1),
+                # bytes read to time it: raw_read_ms is their time scaled to the artifact's size
+                "raw_read_sampled_bytes": (self.raw_read_bytes if self.raw_read_bytes is not None
+                                           and self.raw_read_bytes < self.artifact_bytes else None),
                 # (read + deserialize + to_device) / the disk read of the same bytes
                 "load_floor_ratio": self.load_ratio,
                 "resident_after_drop": rounded(self.resident_share)}

@@ -176,24 +176,35 @@ def measure_interleaved(calls: dict[int, Callable[[], Any]], rule: StopRule, pas
                         warmup_max_s: Optional[float] = None, sync: Optional[Callable[[], None]] = None,
                         clock: Clock = time.perf_counter,
                         after_call: Optional[Callable[[], None]] = None,
-                        after_pass: Optional[Callable[[], None]] = None) -> dict[int, LatencySummary]:
+                        after_pass: Optional[Callable[[], None]] = None, max_s: Optional[float] = None,
+                        done: Optional[dict] = None) -> dict[int, LatencySummary]:
     """Every batch size in `passes` short windows, round-robin, so each size's samples span the
     whole measurement: host noise that comes and goes over seconds (another tenant, frequency)
     then weighs on every size alike instead of on whichever one it happened to coincide with.
     Each size still gets the rule's iterations and duration in total; one warm-up call when
     coming back to a size (shapes change between sizes), the full warm-up on the first visit.
-    `after_pass` runs between passes (untimed), e.g. to time the host reference."""
+    `after_pass` runs between passes (untimed), e.g. to time the host reference.
+    `max_s`: no pass is started that would end past this many seconds from the start, by the
+    longest pass so far (the first, with its full warm-up, on the safe side); the first always
+    runs, so every size has samples. `done` (a dict), if given, receives {"passes": passes run}."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
     per_pass = rule.per_pass(passes)
     samples: dict[int, list[float]] = {b: [] for b in calls}
+    start, longest, ran = clock(), 0.0, 0
     for i in range(passes):
+        if i > 0 and max_s is not None and clock() - start + longest > max_s:
+            break
+        t_pass = clock()
         for b, call in calls.items():
             s = measure_latency(call, b, per_pass, warmup_iters if i == 0 else 1, sync=sync, clock=clock,
                                 after_call=after_call, warmup_max_s=warmup_max_s)
             samples[b].extend(s.samples_s)
         if after_pass:
             after_pass()
+        longest, ran = max(longest, clock() - t_pass), ran + 1
+    if done is not None:
+        done["passes"] = ran
     return {b: LatencySummary.from_samples(xs, b) for b, xs in samples.items()}
 
 
@@ -214,6 +225,7 @@ class RoundSpec:
     patience: int
     latency_cap_ms: float
     point_max_s: Optional[float] = None
+    max_s: Optional[float] = None       # a repeat round's time allowance (measure_interleaved's max_s)
 
     def stop_rule(self) -> StopRule:
         return StopRule(self.min_iters, self.min_duration_s, self.point_max_s)

@@ -30,7 +30,7 @@ def _figures(result: dict, round_no: int) -> dict:
     load = result.get("load") or {}
     ok = bool(result.get("ready")) and load.get("requests_ok", 0) > 0 and not load.get("errors_5xx") \
         and not load.get("lost")
-    return {"round": round_no, "ok": ok, "ready_s": result.get("ready_s"),
+    return {"round": round_no, "ok": ok, "ready_s": result.get("ready_s"), "worker_load_ms": result.get("worker_load_ms"),
             "throughput_rps": load.get("throughput_rps"), "p50_ms": load.get("p50_ms"), "p99_ms": load.get("p99_ms"),
             "batch_sizes_seen": load.get("batch_sizes_seen"), "error": result.get("error")}
 

@@ -154,6 +154,7 @@ class TorchServe:
         self.api: Optional[ServerApi] = None      # set at start, once the ports are known
         self.log = ServerLogs(self.logs, model_name)
         self._started = False
+        self._stop_sent = False
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "TorchServe":
@@ -230,25 +231,33 @@ class TorchServe:
                                   f"{tail(self.workdir / 'torchserve.out', 30)}")
         return self._wait_ready(t0)
 
+    def request_stop(self) -> None:
+        """`torchserve --stop` (SIGTERM to java) without waiting for the server to exit: servers up
+        side by side are asked together and then waited for (`stop_all`), so their shutdowns overlap."""
+        if not self._started or self._stop_sent or not (self.java_pid and psutil.pid_exists(self.java_pid)):
+            return
+        self._stop_sent = True
+        try:
+            with open(self.workdir / "torchserve.out", "ab") as out:
+                subprocess.run([_torchserve_cli(), "--stop"], cwd=self.workdir, env=self._env(),
+                               stdout=out, stderr=subprocess.STDOUT, timeout=30)
+        except (subprocess.TimeoutExpired, OSError):
+            pass
+
     def stop(self, check: bool = True, timeout_s: float = 30.0) -> None:
-        """`torchserve --stop`, wait for java to exit, kill stragglers; with check, raise if any
-        process of this server is still alive afterwards."""
+        """`torchserve --stop` (unless `request_stop` sent it), wait for java to exit, kill stragglers;
+        with check, raise if any process of this server is still alive afterwards."""
         if not self._started:
             return
-        self._started = False
         if self.java_pid and psutil.pid_exists(self.java_pid):
-            try:
-                with open(self.workdir / "torchserve.out", "ab") as out:
-                    subprocess.run([_torchserve_cli(), "--stop"], cwd=self.workdir, env=self._env(),
-                                   stdout=out, stderr=subprocess.STDOUT, timeout=30)
-            except (subprocess.TimeoutExpired, OSError):
-                pass
+            self.request_stop()
             try:
                 psutil.Process(self.java_pid).wait(timeout=timeout_s)
             except psutil.TimeoutExpired:
                 pass
             except psutil.NoSuchProcess:
                 pass
+        self._started = False
         left = self._kill_leftovers()
         if check and left:
             raise TorchServeError(f"processes of the TorchServe in {self.workdir} survived stop and kill: "
@@ -360,6 +369,15 @@ class TorchServe:
     def worker_peak_rss_mb(self) -> dict[str, Optional[float]]:
         """Peak resident memory of each worker process so far (Linux VmHWM; else the current RSS), MB."""
         return {wid: _peak_rss_mb(pid) if pid else None for wid, pid in self.worker_pids().items()}
+
+
+def stop_all(servers: list["TorchServe"], check: bool = False) -> None:
+    """Stop several servers at once: each is asked (`request_stop`) before any is waited for, so
+    their JVMs' shutdowns overlap instead of adding up."""
+    for ts in servers:
+        ts.request_stop()
+    for ts in servers:
+        ts.stop(check=check)
 
 
 def _inside(path: str, root: str) -> bool:

@@ -17,7 +17,7 @@ from pipeline.serve.candidates import OperatingCandidate
 from pipeline.serve.decision import CandidateResult
 from pipeline.serve.http_cases import HttpCase
 from pipeline.serve.load import run_load
-from pipeline.serve.torchserve import ModelNotReady, TorchServe, TorchServeError, start_command_env
+from pipeline.serve.torchserve import ModelNotReady, TorchServe, TorchServeError, start_command_env, stop_all
 
 REQUEST_TIMEOUT_S = 60.0      # a slow answer in a short window is slow, not lost
 
@@ -58,7 +58,10 @@ class Tuner:
 
     side_by_side (when the host's memory holds every candidate's workers at once): one server per
     candidate, all up together, measured one at a time, so each pays one start whatever the rounds.
-    Otherwise candidates that differ only in model settings (batch, delay, workers, threads) share
+    They stay up between calls (`release` stops those no longer needed, all at once, so their JVMs'
+    shutdowns overlap; `close` the rest): an undecided candidate's extra round and the chosen
+    point's capacity measurement are served by the server it already has (a 2 GB model's start and
+    stop took ~9 s each). Otherwise candidates that differ only in model settings (batch, delay, workers, threads) share
     ONE server: the model is unregistered and registered again through the management API (enabled
     only in the tuner's own servers), a worker start per measurement instead of a JVM start; and
     frontend settings (`fresh=True`) get a fresh server per measurement."""
@@ -74,6 +77,8 @@ class Tuner:
         self.starts = 0
         self.registrations = 0
         self.start_s: list[float] = []            # what one server start (to READY) cost
+        self.reused = 0                           # measurements served by a side-by-side server already up
+        self._live: dict[tuple, TorchServe] = {}  # side by side: candidate key -> its server, up
 
     def _server(self, c: OperatingCandidate, env_threads: Optional[int] = None) -> TorchServe:
         self.model.write_yaml(c)
@@ -187,18 +192,26 @@ class Tuner:
     def _run_side_by_side(self, candidates: list[OperatingCandidate], results: list[CandidateResult],
                           order: list[tuple[int, int]]) -> list[CandidateResult]:
         """One server per candidate, all started first and kept up (idle ones cost memory, not
-        CPU), measured one at a time in `order`, then all stopped: a server start per candidate
-        instead of one per measurement."""
+        CPU), measured one at a time in `order`: a server start per candidate instead of one per
+        measurement. A candidate whose server is already up (an earlier call's) is served by it.
+        The servers stay up (`release`, `close`); on an error here they are all stopped."""
         servers: list[Optional[TorchServe]] = []
         try:
             for i, c in enumerate(candidates):
+                ts = self._live.get(c.key())
+                if ts is not None:
+                    self.reused += 1
+                    servers.append(ts)
+                    continue
                 ts = self._server(c)
                 try:
                     ts.start()
                     self.start_s.append(ts.readiness.ready_s)
+                    self._live[c.key()] = ts
                     servers.append(ts)
                 except (ModelNotReady, TorchServeError) as e:
                     servers.append(None)
+                    shutil.rmtree(ts.workdir, ignore_errors=True)
                     results[i].rounds.append(_failed_round(1, self.concurrency, e))
             for rnd, i in order:
                 ts = servers[i]
@@ -209,12 +222,23 @@ class Tuner:
                     except (TorchServeError, OSError) as e:
                         results[i].rounds.append(_failed_round(rnd + 1, self.concurrency, e))
                 self.progress()
-        finally:
-            for ts in servers:
-                if ts is not None:
-                    ts.stop(check=False)
-                    shutil.rmtree(ts.workdir, ignore_errors=True)
+        except BaseException:
+            self.close()
+            raise
         return results
+
+    def release(self, keep: tuple = ()) -> None:
+        """Stop the side-by-side servers of every candidate not in `keep`, all at once."""
+        keys = {c.key() for c in keep}
+        gone = [k for k in self._live if k not in keys]
+        servers = [self._live.pop(k) for k in gone]
+        stop_all(servers)
+        for ts in servers:
+            shutil.rmtree(ts.workdir, ignore_errors=True)
+
+    def close(self) -> None:
+        """Stop every server still up, all at once."""
+        self.release()
 
     def capacity(self, c: OperatingCandidate, slo_ms: float) -> dict:
         """The in-flight load one replica takes within the SLO: the chosen point measured at
@@ -225,7 +249,17 @@ class Tuner:
             n //= 2
         if not levels:
             return {"levels": [], "inflight_within_slo": None}
-        measured = self.measure(c, 0, levels)
+        ts = self._live.get(c.key())
+        if ts is not None:
+            # The chosen point's side-by-side server is up: measured there, no new start.
+            self.reused += 1
+            try:
+                measured = self._load(ts, c, 0, ts.readiness.ready_s, levels)
+            except (TorchServeError, OSError) as e:
+                measured = [_failed_round(0, levels[0], e)]
+            self.progress()
+        else:
+            measured = self.measure(c, 0, levels)
         fit = [m for m in measured if m.get("ok") and m["p99_ms"] is not None and m["p99_ms"] <= slo_ms]
         return {"levels": [{k: m.get(k) for k in ("concurrency", "ok", "p99_ms", "p50_ms", "throughput_rps",
                                                    "batch_sizes_seen", "error")} for m in measured],

@@ -99,10 +99,15 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
         else:
             worth, frontend_why = frontend_worth_tuning(final)
         log.info("frontend settings: %s", frontend_why)
+        # Side by side, the servers still up are stopped together. The frontend setups all start fresh
+        # (the chosen point's server, warmed by the rounds above, would have the JVM's compiled code
+        # ahead of them); the final point's server stays up for the capacity measurement.
+        tuner.release(keep=() if worth else (final.candidate,))
         if worth:
             phase2, d2, extra2 = _served_phase(tuner, bar, frontend_candidates(final.candidate), s, objective,
                                                fresh=True)
             final = phase2[d2["chosen"]]
+            tuner.release(keep=(final.candidate,))
         if bar is not None:
             bar.total += 1
         capacity = None
@@ -111,6 +116,7 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
         elif bar is not None:
             bar.update()
     finally:
+        tuner.close()
         if bar is not None:
             bar.close()
         shutil.rmtree(tuner.workroot, ignore_errors=True)
@@ -129,7 +135,7 @@ def tune(model: ServedModel, cases: list[HttpCase], candidates: list[OperatingCa
         "frontend_skipped": None if d2 else frontend_why,
         **verdict,
         "extra_rounds": {"operating_point": extra1, "frontend": extra2},
-        "server_starts": tuner.starts, "registrations": tuner.registrations,
+        "server_starts": tuner.starts, "registrations": tuner.registrations, "servers_reused": tuner.reused,
         "server_start_s": [round(x, 2) for x in tuner.start_s],
         "duration_s": round(time.monotonic() - t0, 1),
     }

@@ -87,3 +87,29 @@ def test_marks_are_per_workspace_and_unmarked_entries_are_left_alone(cache, tmp_
     assert ec.restore("other-ws", dest) == ["raw.onnx", "raw.onnx.data"]
     assert ec.finished("onnx-fp16@another-workspace") == [cache / "other-ws"]
     assert (cache / "untracked").is_dir()
+
+
+def test_the_export_goes_in_and_out_as_links_and_a_rewrite_never_reaches_it(cache, tmp_path):
+    """Issue 30: a 2 GB export was copied into the cache and out of it three times. Both ways are
+    hard links on one filesystem now; the ONNX steps' rewrites are new files (onnx._save), so a
+    build rewriting its restored export (fp16) leaves the cached bytes as they were."""
+    from pipeline.build.variants.onnx import _save
+    src = tmp_path / "first"
+    src.mkdir()
+    files = export_files(src)
+    ec.store("k", files, readers=None)
+    entry = cache / "k"
+    assert (entry / "raw.onnx").stat().st_ino == files[0].stat().st_ino      # linked, not copied
+    dest = tmp_path / "later"
+    dest.mkdir()
+    assert ec.restore("k", dest) == ["raw.onnx", "raw.onnx.data"]
+    assert (dest / "raw.onnx").stat().st_ino == (entry / "raw.onnx").stat().st_ino
+    import onnx
+    from onnx import TensorProto, helper
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    _save(helper.make_model(graph), dest / "raw.onnx", external=False)       # the fp16 step's rewrite
+    assert isinstance(onnx.load(str(dest / "raw.onnx")), onnx.ModelProto)
+    assert (entry / "raw.onnx").read_bytes() == b"graph" * 1000            # the cached export untouched
+    assert (entry / "raw.onnx.data").read_bytes() == b"w" * 4096 and not (dest / "raw.onnx.data").exists()

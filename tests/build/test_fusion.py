@@ -118,3 +118,19 @@ def test_onnx_variants_build_on_the_fused_graph_unless_switched_off(variant, tex
     meta = json.loads((tmp_path / "off" / "variant.json").read_text())
     assert meta["fusion"] == {"applied": False, "reason": "conversion.onnx_fusions is off"}
     assert ("com.microsoft", "MultiHeadAttention") not in _ops(tmp_path / "off" / "model.onnx")
+
+
+def test_a_later_onnx_variant_reuses_the_fused_export_without_fusing_again(text_case, tmp_path, monkeypatch):
+    """Issue 30: the fusion took ~14 s in each of a 2 GB model's four ONNX variants. The export cache
+    keeps the export fused, with the fusion's record: a later variant neither exports nor fuses."""
+    params, loaded, golden = text_case
+    convert("onnx", params, loaded, golden, tmp_path / "first")
+
+    def must_not_fuse(*_a, **_k):
+        raise AssertionError("the fused export was in the cache")
+    monkeypatch.setattr(OnnxConverter, "_fuse", must_not_fuse)
+    record = convert("onnx-fp16", params, loaded, golden, tmp_path / "later")
+    assert_converted(record, tmp_path / "later", golden)
+    meta = json.loads((tmp_path / "later" / "variant.json").read_text())
+    assert meta["export"]["reused"] and meta["fusion"]["applied"] and meta["fusion"]["reused"]
+    assert _ops(tmp_path / "later" / "model.onnx")[("com.microsoft", "MultiHeadAttention")] == 2

@@ -667,3 +667,75 @@ def test_the_search_stops_where_the_budget_cannot_reach_the_error():
     reach = record["reach"]
     assert reach["out_of_reach"] and reach["keepable_ops"] <= 4 and reach["error_share_keepable"] <= 0.1
     assert "out of reach" in reach["why"]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_smoothing_errors_for_every_alpha_at_once_equal_each_alpha_alone(static):
+    """Issue 30: the fp32 product of each op is computed once for all α (it was recomputed per α);
+    the errors are the same numbers as α by α (the computation as it was, below)."""
+    import torch
+    from onnx import helper
+
+    from pipeline.build.variants import smoothing
+    from pipeline.build.variants.sensitivity import LocalErrors, fake_quant_activation, fake_quant_weight
+
+    def one_alpha(groups, inputs, weights, alpha, reduce_range, per_channel, static):
+        errors = LocalErrors()
+        for g in groups:
+            s = torch.from_numpy(g.scales(alpha)) if alpha is not None else None
+            for n in g.nodes:
+                w = weights[n.input[1]]
+                wq = fake_quant_weight(w * s[:, None] if s is not None else w, 1 if per_channel else None,
+                                       reduce_range)
+                xs = [torch.from_numpy(np.asarray(b[g.input], np.float32)) for b in inputs]
+                smoothed = [x / s if s is not None else x for x in xs]
+                lo_hi = (min(float(x.min()) for x in smoothed), max(float(x.max()) for x in smoothed)) \
+                    if static else None
+                for x, x_s in zip(xs, smoothed):
+                    lo, hi = lo_hi or (float(x_s.min()), float(x_s.max()))
+                    errors.add(n.name, x @ w, fake_quant_activation(x_s, lo, hi, static and reduce_range) @ wq)
+        return errors.result()
+    rng = np.random.default_rng(1)
+    w1, w2 = (torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in ((16, 8), (16, 4)))
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["y1"], name="m1"),
+             helper.make_node("MatMul", ["x", "w2"], ["y2"], name="m2")]
+    x = rng.standard_normal((3, 5, 16)).astype(np.float32)
+    x[..., 0] *= 50.0                                         # an outlier channel
+    group = smoothing.SmoothGroup("x", nodes, np.abs(x).reshape(-1, 16).max(axis=0),
+                                  np.maximum(w1.abs().amax(dim=1), w2.abs().amax(dim=1)).numpy())
+    inputs = [{"x": x}, {"x": x[:, :3] * 0.5}]
+    weights = {"w1": w1, "w2": w2}
+    alphas = (None, *smoothing.ALPHAS)
+    together = smoothing.local_errors_by_alpha([group], inputs, weights, alphas, False, True, static)
+    for a in alphas:
+        assert together[a] == one_alpha([group], inputs, weights, a, False, True, static)
+        assert smoothing.local_errors([group], inputs, weights, a, False, True, static) == together[a]
+    assert together[0.8]["m1"] != together[None]["m1"]
+
+
+def test_torch_int8_attempts_quantize_each_linear_once_and_equal_quantize_dynamic():
+    """Issue 30: every attempt of the torch int8 search quantized all its Linears again (~1 s a
+    2 GB model's attempt); each is now quantized once per build by quantize_dynamic's own path, and
+    an attempt is the module quantize_dynamic makes with that kept set: same types, same outputs."""
+    import types
+
+    import torch
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    from pipeline.build.variants.base import module_copy
+    from pipeline.build.variants.torch_int8 import Attempts
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 8))).eval()
+    names = ["0", "2.0", "2.1"]
+    attempts = Attempts(types.SimpleNamespace(module=model), names, None, per_channel=True)
+    x = torch.randn(4, 16)
+    for kept in ([], ["2.0"], ["0", "2.1"], []):
+        got = attempts.quantize(kept, None)
+        want = quantize_dynamic(module_copy(model), {n: per_channel_dynamic_qconfig for n in set(names) - set(kept)},
+                                dtype=torch.qint8, inplace=True)
+        assert [type(m) for m in got.modules()] == [type(m) for m in want.modules()]
+        assert torch.equal(got(x), want(x))
+    assert set(attempts.quantized) == set(names)                  # each quantized once, reused after
+    assert all(isinstance(m, torch.nn.Linear) for m in model.modules() if not isinstance(m, (torch.nn.Sequential,
+                                                                                          torch.nn.ReLU)))

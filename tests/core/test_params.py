@@ -184,3 +184,12 @@ def test_image_preprocessing_params_that_hold():
         parse_params({"model": {**IMAGE_MODEL, "image": image}})
     # Another task does not read model.image: its values are not judged.
     parse_params({"model": {**MODEL, "image": {"resize_shortest_edge": 256}}})
+
+
+def test_slo_above_the_benchmark_latency_cap_is_refused():
+    """The sweep stops after the first batch past benchmark.latency_cap_ms: an SLO above it would
+    leave batches it could serve unmeasured (issue 30)."""
+    msg = error_of(params_with(serve={"latency_slo_ms": 800}))
+    assert "`serve.latency_slo_ms`" in msg and "benchmark.latency_cap_ms (400 ms)" in msg
+    assert parse_params(params_with(serve={"latency_slo_ms": 800}, benchmark={"latency_cap_ms": 800}))
+    assert parse_params(params_with(serve={"latency_slo_ms": 400})).benchmark.latency_cap_ms == 400

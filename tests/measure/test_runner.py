@@ -336,6 +336,9 @@ def test_the_benchmark_records_its_processes_within_the_budget(tiny):
     assert record["processes"]["steady_rounds"] == 2            # the minimum, whatever the budget
     assert record["cold_load"]["runs"] == 2                      # ...and their processes' cold loads
     assert all(len(p["round_p50_ms"]) == 2 for p in record["steady"].values())
+    # the required repeat round had nothing left of the budget: one pass of its interleaved windows
+    assert record["processes"]["round_allowance_s"] == [0.0]
+    assert record["processes"]["repeat_passes"] == [{"run": 1, "of": settings.interleave_passes, "max_s": 0.0}]
 
 
 def _round_at(p50s_ms: dict) -> dict:
@@ -381,3 +384,28 @@ def test_the_benchmark_stops_adding_rounds_once_they_agree(tiny):
     off = benchmark_variant(tiny["dir"], "tiny", dataclasses.replace(settings, rounds_agree_within=0.0), "cpu",
                             loader=tiny["loader"], feeds=tiny["feeds"])
     assert off["processes"]["steady_rounds"] == 5 and not off["processes"]["rounds_agreed"]
+
+
+def test_the_required_repeat_round_gets_what_the_budget_leaves_after_the_loads_to_come():
+    """Issue 30: a 2 GB variant's two required rounds and its start from disk ran 45–67 s under a
+    40 s budget. The second round measures for at most budget - spent - its own cold load - the
+    start from disk (each the mean cold load so far), and an optional process counts that start too."""
+    from pipeline.measure.runner import ProcessBudget
+    now = [0.0]
+    budget = ProcessBudget(40.0, clock=lambda: now[0], disk_load=True)
+    assert budget.round_allowed() and budget.required_round()
+    now[0] += 16.0                                   # round 1: a 5 s load + its sweep
+    budget.ran("steady", 16.0)
+    budget.loaded(5.0)
+    assert budget.round_allowance() == 40.0 - 16.0 - 5.0 - 5.0
+    now[0] += 20.0
+    budget.ran("steady", 20.0)
+    budget.loaded(5.0)
+    assert not budget.required_round() and not budget.round_allowed()    # 36 + 18 + 5 > 40
+    assert budget.as_dict()["round_allowance_s"] == [14.0]
+    now[0] = 0.0
+    no_disk = ProcessBudget(40.0, clock=lambda: now[0])
+    now[0] = 10.0
+    no_disk.loaded(5.0)
+    assert no_disk.reserve_s == 0.0 and no_disk.round_allowance() == 25.0
+    assert ProcessBudget(0.0).round_allowance() is None                    # no budget: no limit

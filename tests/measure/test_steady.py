@@ -226,3 +226,27 @@ def test_interleaved_windows_visit_every_size_in_turn_and_add_up_to_the_rule():
     measure_interleaved({1: call(1, 0.01)}, StopRule(2, 0.0), passes=3, clock=clock,
                         after_pass=lambda: marks.append(len(order)))
     assert len(marks) == 3 and len(set(marks)) == 3
+
+
+def test_interleaved_passes_stop_within_the_time_allowance():
+    """A repeat round with `max_s` (what the variant's budget leaves it): no pass is started that
+    would end past it by the longest pass so far; the first always runs (issue 30)."""
+    from pipeline.measure.steady import measure_interleaved
+    clock = FakeClock()
+
+    def call(cost):
+        def run():
+            clock.now += cost
+        return run
+    # each pass: 1 (the first: 3) warm-up + 2 calls of 0.5 s at each of two sizes: 5 s, then 3 s each;
+    # after two passes (8 s) a third, priced at the longest (5 s), would end past 11 s
+    done = {}
+    out = measure_interleaved({1: call(0.5), 2: call(0.5)}, StopRule(8, 0.0), passes=4, warmup_iters=3,
+                              clock=clock, max_s=11.0, done=done)
+    assert done == {"passes": 2} and out[1].iters == 4 and clock.now == 8.0
+    done = {}
+    measure_interleaved({1: call(0.5)}, StopRule(8, 0.0), passes=4, warmup_iters=3, clock=clock, max_s=0.0, done=done)
+    assert done == {"passes": 1}                     # every size still gets its samples
+    done = {}
+    measure_interleaved({1: call(0.5)}, StopRule(8, 0.0), passes=4, clock=clock, done=done)
+    assert done == {"passes": 4}                     # no allowance: every pass

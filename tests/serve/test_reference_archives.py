@@ -226,3 +226,24 @@ def test_the_kserve_layout_links_the_model_store(archived, tmp_path, form):
               (layout.mar / "provenance.json", store / NAME / "provenance.json")])
     for linked, src in pairs:
         assert linked.stat().st_ino == src.stat().st_ino and linked.stat().st_nlink > 1
+
+
+def test_the_floor_is_the_empty_ceiling_s_start_when_it_was_served(archived, monkeypatch):
+    """Issue 30: the empty-answer ceiling of the references' rounds is a do-nothing model served as the
+    model is, after the run's earlier starts: its READY is the server floor, and no do-nothing server
+    is started twice more for it. Without it, the floor is measured as before."""
+    stage, *_ = archived
+    StandIns(monkeypatch, stage)
+    started = []
+    monkeypatch.setattr(stage, "measure_server_floor", lambda **kw: started.append(kw) or {"ready": True, "ready_s": 9.0})
+    rounds = [{"round": 1, "ok": True, "ready_s": 1.8, "worker_load_ms": 1200.0},
+              {"round": 2, "ok": True, "ready_s": 1.6, "worker_load_ms": 1100.0}]
+    monkeypatch.setattr(stage, "references", lambda *a, **k: {"setups": {stage.CEILING_EMPTY: {"rounds": rounds}}})
+    assert stage.main([]) == 0
+    record = json.loads(stage.SERVE_CHECK_JSON.read_text())
+    assert not started
+    assert record["server_floor"] == {"ready": True, "ready_s": 1.6, "worker_load_ms": 1100.0, "workers": 1,
+                                      "primed": True, "measured_by": "ceiling_empty"}
+    monkeypatch.setattr(stage, "references", lambda *a, **k: {"setups": {}})
+    assert stage.main([]) == 0
+    assert len(started) == 1 and json.loads(stage.SERVE_CHECK_JSON.read_text())["server_floor"]["ready_s"] == 9.0

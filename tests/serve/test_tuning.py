@@ -297,7 +297,7 @@ def test_a_layout_with_fewer_threads_per_worker_gets_timeouts_for_its_slower_cal
     import stages.tune as stage
     from tests.decide.test_serve_config import bench
     params = make_params(TENSOR_MODEL, serve={"latency_slo_ms": 2000, "expected_concurrency": 4},
-                         tune={"max_candidates": 5})
+                         benchmark={"latency_cap_ms": 2000}, tune={"max_candidates": 5})
     env = {"device": "cpu", "memory_mb": 8000, "cpu": {"model": "x", "physical_cores": 4, "logical_cores": 4}}
     benchmark = bench({1: (1500.0, 0.7), 2: (2900.0, 0.7)}, variant="torchscript", threads=4)
     proposal, configured = _proposal(tmp_path, monkeypatch, params, benchmark, env)

@@ -11,9 +11,11 @@ it, the input/output names, dtypes, example shapes and dynamic axes, the exporte
 this package's export code, and the torch / onnx / onnxscript / transformers versions.
 
 Where: $PIPELINE_CACHE_DIR/onnx-export (default ~/.cache/model-pipeline), outside the repository
-and outside DVC's outputs, like the inductor and Hugging Face caches. Files are copied in and out,
-never linked: the ONNX steps after the export rewrite their input files in place (fp16 conversion),
-which must not reach the cached copy.
+and outside DVC's outputs, like the inductor and Hugging Face caches. Files go in and out as hard
+links where the cache and the build share a filesystem (else as copies): a 2 GB model's export was
+copied three times more (2–5 s each, and as many GB written back). No ONNX step writes into an
+export file in place — each rewrite (fp16 conversion, one-file form) is a new file, the old name
+unlinked first (`onnx._save`) — so a linked build cannot reach the cached bytes.
 
 An entry is as big as the model's fp32 weights, and only the run's other ONNX builds read it again,
 so it is kept only for them: the convert stage names them ($PIPELINE_EXPORT_READERS: the other ONNX
@@ -95,8 +97,17 @@ def _version(package: str) -> Optional[str]:
         return None
 
 
+def place(src: Path, dst: Path) -> None:
+    """`dst` := `src`'s bytes: a hard link on one filesystem (no copy, nothing written back), else a copy."""
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
 def restore(key: str, dest_dir: Path) -> Optional[list[str]]:
-    """Copy the entry's files into `dest_dir`; their names, or None on a miss."""
+    """Place the entry's files into `dest_dir` (`place`); their names, or None on a miss."""
     entry = cache_root() / key
     if not entry.is_dir():
         return None
@@ -105,7 +116,7 @@ def restore(key: str, dest_dir: Path) -> Optional[list[str]]:
         return None
     try:
         for name in names:
-            shutil.copyfile(entry / name, dest_dir / name)
+            place(entry / name, dest_dir / name)
     except OSError as e:          # evicted by another build meanwhile, disk full: export instead
         log.warning("ONNX export cache: could not copy %s (%s); exporting again", entry, e)
         for name in names:
@@ -130,7 +141,7 @@ def expected_readers() -> Optional[list[str]]:
 
 
 def store(key: str, files: list[Path], readers: Optional[list[str]] = None) -> None:
-    """Keep copies of `files` under `key` (written aside, then renamed: a reader never sees half an
+    """Keep `files` (linked or copied: `place`) under `key` (written aside, then renamed: a reader never sees half an
     entry) with a mark per reader still to come (`readers`, default `expected_readers()`; none: not
     kept at all), then drop the oldest entries beyond MAX_ENTRIES. Failure to cache never fails a build."""
     readers = expected_readers() if readers is None else readers
@@ -145,7 +156,7 @@ def store(key: str, files: list[Path], readers: Optional[list[str]] = None) -> N
     try:
         tmp.mkdir(parents=True)
         for f in files:
-            shutil.copyfile(f, tmp / f.name)
+            place(f, tmp / f.name)
         if readers:
             (tmp / READERS).mkdir()
             for r in readers:

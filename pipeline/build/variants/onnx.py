@@ -23,6 +23,7 @@ every weight at load.
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import warnings
@@ -43,6 +44,7 @@ from pipeline.model.weights import module_bytes
 
 log = logging.getLogger(__name__)
 ARTIFACT = "model.onnx"
+FUSION_RECORD = "fusion.json"          # the fusion's record, kept with the fused export in the cache
 DATA_SUFFIX = ".data"                  # model.onnx -> model.onnx.data (the exporters' convention)
 # The dynamo exporter's passes log every step at INFO; keep the conversion log readable.
 for _name in ("onnx_ir", "onnxscript", "torch.onnx"):
@@ -90,17 +92,30 @@ class OnnxConverter(Converter):
         raw = raw_dir / "raw.onnx"
         final = ctx.out_dir / ARTIFACT
         try:
+            # The cached entry is the export with its attention fused (`_fuse`): the fusion is a function
+            # of the export, the fusion code and the golden batches it is checked on, and took ~14 s of
+            # each ONNX variant of a 2 GB model (issue 30), so its key holds those too.
+            check = check_feeds(ctx.golden) if self.options.fusions else []
             key = export_key(module, self._export_inputs(ctx),
-                             {"dynamo": dynamo, "external": external, "opset": self.options.opset, "device": ctx.device},
-                             [Path(__file__)])
-            export = cached_export(key, raw, lambda: self._export(ctx, raw, dynamo, external),
-                                   lambda: [p for p in (raw, data_file(raw)) if p.is_file()])
-            # Every later step reads the exported graph: the torch module's weights would only add
-            # a copy of the model to the ONNX steps' own (quantizing needs two).
+                             {"dynamo": dynamo, "external": external, "opset": self.options.opset, "device": ctx.device,
+                              "fusions": self.options.fusions, "fusion_check": _feeds_digest(check)},
+                             [Path(__file__), Path(fuse_attention.__code__.co_filename)])
             del module
-            if ctx.loaded.release_module():
-                log.info("%s: torch module released after the export (the ONNX steps use the graph)", self.name)
-            fusion = self._fuse(ctx, raw)
+
+            def export_and_fuse() -> None:
+                self._export(ctx, raw, dynamo, external)
+                self._release(ctx)
+                (raw_dir / FUSION_RECORD).write_text(json.dumps(self._fuse(ctx, raw, check)))
+
+            export = cached_export(key, raw, export_and_fuse,
+                                   lambda: [p for p in (raw, data_file(raw), raw_dir / FUSION_RECORD) if p.is_file()])
+            self._release(ctx)
+            if (raw_dir / FUSION_RECORD).is_file():
+                fusion = json.loads((raw_dir / FUSION_RECORD).read_text())
+                if export["reused"] and self.options.fusions:
+                    fusion["reused"] = True          # fused (and checked) by the build that kept the entry
+            else:                                    # an entry without the fusion's record: fuse here
+                fusion = self._fuse(ctx, raw, check)
             self._transform(raw)
             external = self._optimize(ctx, raw, final)     # the artifact's own form (int8 decides by its size)
         finally:
@@ -153,12 +168,18 @@ class OnnxConverter(Converter):
             raise RuntimeError(f"the exporter wrote external data beside {path.name} for a model under "
                                f"{self.options.external_data_min_bytes} bytes of weights")
 
-    def _fuse(self, ctx: BuildContext, raw: Path) -> dict:
-        """Attention fused in the fp32 export, checked on the largest and the smallest golden batch."""
+    def _release(self, ctx: BuildContext) -> None:
+        """Every step after the export reads the exported graph: the torch module's weights would only
+        add a copy of the model to the ONNX steps' own (quantizing needs two)."""
+        if ctx.loaded.module is not None and ctx.loaded.release_module():
+            log.info("%s: torch module released after the export (the ONNX steps use the graph)", self.name)
+
+    def _fuse(self, ctx: BuildContext, raw: Path, check: list[dict]) -> dict:
+        """Attention fused in the fp32 export, checked on `check` (the largest and the smallest golden batch)."""
         if not self.options.fusions:
             return {"applied": False, "reason": "conversion.onnx_fusions is off"}
         data = data_file(raw)
-        return fuse_attention(raw, data.name if data.exists() else None, check_feeds(ctx.golden))
+        return fuse_attention(raw, data.name if data.exists() else None, check)
 
     def _transform(self, path: Path) -> None:
         """Hook for subclasses (fp16); the fp32 variant keeps the exported graph."""
@@ -207,6 +228,19 @@ class OnnxFloat16Converter(OnnxConverter):
         _save(model, path, external)
 
 
+def _feeds_digest(feeds: list[dict]) -> str:
+    """sha256 of feeds (names, dtypes, shapes, bytes): what the fusion check ran on, for the cache key."""
+    import hashlib
+    import numpy as np
+    h = hashlib.sha256()
+    for f in feeds:
+        for name in sorted(f):
+            a = np.ascontiguousarray(f[name])
+            h.update(f"{name}:{a.dtype}:{a.shape}".encode())
+            h.update(a.tobytes())
+    return h.hexdigest()[:32]
+
+
 def data_file(model_path: Path) -> Path:
     """The external data file of `model_path` in this module's convention (model.onnx.data)."""
     return model_path.with_name(model_path.name + DATA_SUFFIX)
@@ -240,13 +274,17 @@ def _rename_shadowed_outputs(path: Path) -> None:
                 rename[o] = n.output[j] = f"{o}__shadowed{i}"
             else:
                 rename.pop(o, None)
+    path.unlink()                  # a new file (see `_save`)
     onnx.save(model, str(path))
 
 
 def _internalize(path: Path) -> None:
-    """Rewrite `path` as one file, its external tensors inside (it must fit protobuf's 2 GB)."""
+    """Rewrite `path` as one file, its external tensors inside (it must fit protobuf's 2 GB): a new
+    file, never the old one's bytes rewritten (it may be a link into the export cache)."""
     import onnx
-    onnx.save(_load(path), str(path))
+    model = _load(path)
+    path.unlink()
+    onnx.save(model, str(path))
     data_file(path).unlink()
 
 
@@ -257,10 +295,12 @@ def _load(path: Path):
 
 def _save(model, path: Path, external: bool) -> None:
     """Save `model` as `path` (+ one data file when external); other files beside it are removed
-    first (the tensors are in memory now), so stale per-tensor files never mix in."""
+    first (the tensors are in memory now), so stale per-tensor files never mix in, and `path` too:
+    the saved files are new ones, never an old file's bytes rewritten (an export restored from the
+    cache is a hard link to the cached copy)."""
     import onnx
     for p in path.parent.iterdir():
-        if p != path and p.is_file():
+        if p.is_file():
             p.unlink()
     onnx.save(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
               location=data_file(path).name)

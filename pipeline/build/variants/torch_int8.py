@@ -74,14 +74,26 @@ class Attempts:
     candidates: list[str]          # its nn.Linear modules, by name
     cal: Calibration
     per_channel: bool
+    # Linear name -> what quantize_dynamic makes of it: every attempt quantizes the same fp32 weights
+    # (only the kept set differs), so each Linear is quantized once per build, not once per attempt.
+    quantized: dict = dataclasses.field(default_factory=dict)
 
     def quantize(self, exclude: list[str], only: Optional[list[str]]):
         from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
         qconfig = per_channel_dynamic_qconfig if self.per_channel else default_dynamic_qconfig
         names = set(only or self.candidates) - set(exclude)
-        # inplace on our own copy: quantize_dynamic would otherwise deep-copy the fp32 weights again
-        return quantize_dynamic(module_copy(self.loaded.module), qconfig_spec={n: qconfig for n in names},
-                                dtype=torch.qint8, inplace=True)
+        module = module_copy(self.loaded.module)           # shares the fp32 weights, never copies them
+        originals = dict(self.loaded.module.named_modules())
+        for name in sorted(names):
+            if name not in self.quantized:
+                # quantize_dynamic's own path on this Linear alone: the module it would have put there
+                # (a Linear of a type it does not quantize comes back as it was)
+                alone = torch.nn.Sequential(module_copy(originals[name]))
+                self.quantized[name] = quantize_dynamic(alone, qconfig_spec={"0": qconfig}, dtype=torch.qint8,
+                                                        inplace=True)[0]
+            parent, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, attr, self.quantized[name])
+        return module
 
     def run(self, module, on: Calibration):
         from pipeline.model.golden import run_reference
