@@ -91,7 +91,7 @@ def test_the_reference_is_the_onnx_variant_with_four_settings_changed(built, sta
     assert (packed["batchSize"], packed["maxBatchDelay"]) == (SETTINGS["batch_size"], SETTINGS["max_batch_delay_ms"])
     assert (packed["minWorkers"], packed["maxWorkers"]) == (SETTINGS["workers"], SETTINGS["workers"])
     assert packed["handler"]["threads"] == SETTINGS["threads_per_worker"]
-    assert packed["handler"]["warmup_batch_size"] == SETTINGS["batch_size"]     # warm-up in initialize
+    assert packed["handler"]["warmup_batch_size"] == 1        # warm-up in initialize, the pipeline's (1 row on a CPU)
     # Its timeouts: derived for its batch (8 rows per call on the onnx curve), here their floors (5 s, 30 s).
     timeouts = read_handtuned(out)["timeouts"]
     assert (packed["responseTimeout"], packed["startupTimeout"]) == (timeouts["response_timeout_s"]["value"],
@@ -227,5 +227,5 @@ def test_torchserve_serves_the_reference_as_configured(tmp_path, built, tensor_o
         assert r.status == 200, r.body[:500]
         np.testing.assert_allclose(r.json(), want, atol=1e-5)
         loads = (ts.logs / "model_log.log").read_text()
-        # The torch-free ONNX handler warmed up at the reference's batch size in each worker.
-        assert loads.count("[load] variant=onnx family=onnx") == 2 and loads.count("warmup_bs8=") == 2
+        # The torch-free ONNX handler warmed up in each worker, on one row as the pipeline's does on a CPU.
+        assert loads.count("[load] variant=onnx family=onnx") == 2 and loads.count("warmup_bs1=") == 2
