@@ -10,7 +10,7 @@ packed from their recipes into a scratch directory (.scratch/ on the workspace's
 they used to be kept) before the first server starts, removed when the stage ends, by an error too
 (pipeline/serve/reference_archives.py). For task rerank, also a rerank load
 (`serve_check.rerank_texts` texts per query from `rerank_clients` clients) in rows/s against the
-model's own offline rows/s at the batches it formed (`rerank_load`). Exits non-zero when the model
+model alone on the same requests, measured right after it (`rerank_load`). Exits non-zero when the model
 never becomes READY, HTTP parity fails, a request is lost or gets a 5xx, or bad input is not
 rejected cleanly.
 """
@@ -214,21 +214,29 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases, handtu
 
 def rerank_load(params, winner: ServerSpec, derivation: Optional[dict]) -> dict:
     """The winner under `serve_check.rerank_texts` texts per query from `rerank_clients` keep-alive
-    clients: rows/s served, the model's offline rows/s at the batches it formed, their ratio
-    (pipeline/serve/rerank_load.py)."""
+    clients: rows/s served, the model alone's rows/s on the same requests measured right after it
+    (the benchmark's figure at the calls it formed beside it), their ratio (pipeline/serve/rerank_load.py)."""
     sc = params.serve_check
     derivation = derivation or {}
-    batch_rows = _value(derivation, "batch_rows") or _value(derivation, "batch_size") or 1
+    batch_rows = int(_value(derivation, "batch_rows") or _value(derivation, "batch_size") or 1)
     variant, bench = served_benchmark(params.model.name)
+    workers = workers_in_derivation(derivation)
     # A query over the served cap (model.text.max_texts) would only be answered 413.
     texts = min(sc.rerank_texts, params.model.text.max_texts)
     if texts < sc.rerank_texts:
         log.warning("rerank load: %d texts per query, not serve_check.rerank_texts %d: the served cap "
                     "model.text.max_texts is %d", texts, sc.rerank_texts, params.model.text.max_texts)
+
+    def alone(cases, batch: int) -> dict:
+        # The served variant alone on the load's own requests, model calls of the served batch_rows.
+        if not variant:
+            return {"ok": False, "errors": [f"no served variant found in {MODEL_STORE} for {params.model.name}"]}
+        return run_model_alone(variant, batch, workers, cases=cases, batch_rows=batch_rows)
+
     return measure_rerank_load(winner, rerank_cases(GOLDEN_DIR, texts), clients=sc.rerank_clients,
                                requests=sc.requests, time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s,
-                               batch_rows=int(batch_rows), workers=workers_in_derivation(derivation),
-                               benchmark=bench, variant=variant, configured_batch=_value(derivation, "batch_size"))
+                               batch_rows=batch_rows, workers=workers, benchmark=bench, variant=variant,
+                               configured_batch=_value(derivation, "batch_size"), model_alone=alone)
 
 
 def _value(derivation: dict, key: str):
@@ -281,23 +289,32 @@ def bound_of(name: str, setups: dict, cases: list, earlier: Optional[dict] = Non
 
 
 def measured_model_alone(variant: str, batch: int, workers: int) -> Optional[dict]:
-    """The served variant alone on the served requests, now (pipeline/serve/model_alone.py), run as
-    model-config.yaml says the workers run it."""
-    import yaml
-    from pipeline.serve.model_alone import measure
-    path = SERVE_DIR / "model-config.yaml"
-    handler = ((yaml.safe_load(path.read_text()) or {}).get("handler") or {}) if path.is_file() else {}
-    threads = handler.get("threads") or None
-    device = handler.get("device") if handler.get("device") in ("cpu", "cuda") else "cpu"
-    r = measure(variant_dir(variant), GOLDEN_DIR / "http_cases.json", batch_size=batch,
-                batch_rows=int(handler.get("batch_rows") or batch), workers=workers, threads=threads, device=device)
+    """The served variant alone on the served requests (the golden HTTP cases), now, in requests/s."""
+    r = run_model_alone(variant, batch, workers)
     if not r.get("ok"):
         log.warning("model alone not measured in this run (%s): the bound uses the benchmark's figure", r.get("errors"))
         return None
     return {"value": r["requests_per_s"], "rows_per_s": r["rows_per_s"], "batch_size": batch, "workers": workers,
-            "threads_per_process": threads, "measured": r,
+            "threads_per_process": r.get("threads_per_process"), "measured": r,
             "formula": "the served variant in `workers` processes at once on the served requests, "
                        "in server batches of batch_size requests, this run (requests/s)"}
+
+
+def run_model_alone(variant: str, batch: int, workers: int, *, cases=None, batch_rows: Optional[int] = None) -> dict:
+    """pipeline/serve/model_alone.py's record: the served variant in `workers` processes, run as
+    model-config.yaml says the workers run it (threads, device, rows per model call), on `cases`
+    (HttpCase list) or else the golden HTTP cases, in server batches of `batch` requests."""
+    import yaml
+    from pipeline.serve.model_alone import measure, measure_cases
+    path = SERVE_DIR / "model-config.yaml"
+    handler = ((yaml.safe_load(path.read_text()) or {}).get("handler") or {}) if path.is_file() else {}
+    threads = handler.get("threads") or None
+    device = handler.get("device") if handler.get("device") in ("cpu", "cuda") else "cpu"
+    rows = int(batch_rows or handler.get("batch_rows") or batch)
+    kw = dict(batch_size=batch, batch_rows=rows, workers=workers, threads=threads, device=device)
+    if cases is not None:
+        return measure_cases(variant_dir(variant), cases, **kw)
+    return measure(variant_dir(variant), GOLDEN_DIR / "http_cases.json", **kw)
 
 
 def workers_in_derivation(derivation: Optional[dict]) -> int:

@@ -41,6 +41,14 @@ def load_http_cases(path: Path) -> list[HttpCase]:
     return cases
 
 
+def write_http_cases(path: Path, cases: list[HttpCase]) -> Path:
+    """`cases` as a cases file `load_http_cases` reads back (bodies inline as text; no expected answers)."""
+    path = Path(path)
+    path.write_text(json.dumps([{"id": c.id, "content_type": c.content_type, "body": c.body.decode("utf-8")}
+                                for c in cases]))
+    return path
+
+
 def tolerance_from_mar(mar: Path) -> Optional[dict]:
     """The variant's verification tolerance {atol, rtol, ...} recorded in the .mar's provenance.json."""
     try:

@@ -96,6 +96,15 @@ def measure(variant_dir: Path, cases_path: Path, *, batch_size: int, batch_rows:
             "formula": "sum over the worker processes of rows (requests) run / their common window"}
 
 
+def measure_cases(variant_dir: Path, cases: list, **kw) -> dict:
+    """`measure` on requests given in hand (pipeline.serve.http_cases.HttpCase, text bodies) rather than
+    a cases file: a load's own requests (the rerank load's queries). Same keywords as `measure`."""
+    import tempfile
+    from pipeline.serve.http_cases import write_http_cases
+    with tempfile.TemporaryDirectory(prefix="model_alone-") as d:
+        return measure(variant_dir, write_http_cases(Path(d) / "cases.json", cases), **kw)
+
+
 def _wait_ready(p: subprocess.Popen, deadline: float) -> None:
     """Until `p` printed "ready" or ended (its figures or error come with communicate())."""
     import selectors

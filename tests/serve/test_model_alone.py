@@ -60,3 +60,20 @@ def test_processes_time_one_common_window(tmp_path):
     broken = measure(tmp_path / "missing", tmp_path / "golden" / "http_cases.json", batch_size=4, batch_rows=4,
                      workers=1, threads=1, seconds=0.2)
     assert not broken["ok"] and broken["errors"] and "exit" in broken["errors"][0]
+
+
+def test_measure_cases_runs_the_requests_given_in_hand(tmp_path, monkeypatch):
+    """A load's own requests (the rerank load's queries) reach `measure` as a cases file it reads back
+    unchanged, with the keywords passed through; the file is gone afterwards."""
+    import pipeline.serve.model_alone as alone
+    from pipeline.serve.http_cases import load_http_cases
+    seen = {}
+
+    def fake_measure(variant_dir, cases_path, **kw):
+        seen.update(variant=variant_dir, cases=load_http_cases(cases_path), path=cases_path, kw=kw)
+        return {"ok": True}
+    monkeypatch.setattr(alone, "measure", fake_measure)
+    cases = [_rerank_case(i, n) for i, n in enumerate((3, 5))]
+    assert alone.measure_cases(tmp_path / "v", cases, batch_size=1, batch_rows=4, workers=2, threads=1) == {"ok": True}
+    assert [(c.id, c.content_type, c.body) for c in seen["cases"]] == [(c.id, c.content_type, c.body) for c in cases]
+    assert seen["kw"] == {"batch_size": 1, "batch_rows": 4, "workers": 2, "threads": 1} and not seen["path"].exists()

@@ -1,8 +1,10 @@
 """The rerank load (issue 26, pipeline/serve/rerank_load.py): rows/s served against the rows/s the model
-gives offline at the model calls the server really made, and their ratio in metrics/serve_check.json.
+gives alone, measured in the same run on the load's own requests (the benchmark's figure at the model
+calls the server made kept beside it, and standing in when the in-run measurement fails), and their
+ratio in metrics/serve_check.json.
 
 Pure arithmetic first (calls formed from TorchServe's batches, call times from the benchmark curve,
-the bound in requests/s), then the serve_check stage on a tiny cross-encoder (MiniLM's real tokenizer,
+the bound in requests/s, which figure the ratio uses), then the serve_check stage on a tiny cross-encoder (MiniLM's real tokenizer,
 random weights) archived by the pipeline's own steps and served in a REAL TorchServe: the figures are
 recorded and consistent with each other — never compared with a wall-clock threshold."""
 from __future__ import annotations
@@ -14,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.serve.ceiling import model_alone_rps
-from pipeline.serve.rerank_load import (call_ms, failures_of, model_calls_formed, offline_rows_per_s, rerank_figure,
-                                        rows_of)
+from pipeline.serve.http_cases import HttpCase
+from pipeline.serve.rerank_load import (alone_batch, call_ms, failures_of, model_calls_formed, offline_rows_per_s,
+                                        rerank_figure, rows_of, whole_batches)
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
 
@@ -72,6 +75,89 @@ def test_rerank_figure_rows_per_second_offline_and_ratio():
     blind = rerank_figure({**load, "batch_sizes_seen": {}}, texts=20, clients=4, batch_rows=16, workers=1,
                           benchmark=BENCH, variant="onnx", configured_batch=1)
     assert blind["model_calls"] == {"4": 1, "16": 1} and "configured" in blind["batches_basis"]
+    # Not measured alone (no runner): the benchmark's figure, and the record says so.
+    assert fig["offline_source"] == "benchmark" and fig["offline"] == fig["offline_benchmark"]
+    assert "could not be measured" in fig["offline_why"] and fig["served_vs_offline_benchmark"] == fig["served_vs_offline"]
+
+
+LOAD = {"requests_ok": 50, "requests_sent": 50, "wall_s": 2.5, "throughput_rps": 20.0, "p50_ms": 150.0,
+        "p99_ms": 300.0, "batch_sizes_seen": {"1": 30, "2": 10}, "errors_5xx": 0, "errors_4xx": 0, "lost": 0}
+# model_alone.measure's record for the load's requests, server batches of 1 request, calls of 16 rows
+ALONE = {"ok": True, "rows_per_s": 500.0, "requests_per_s": 25.0, "workers": 1, "threads_per_process": 1,
+         "batch_size": 1, "batch_rows": 16, "window_s": 3.0, "overlap": "every process timed the same window",
+         "processes": [], "batch_basis": "the batches TorchServe formed under the load: 1 request(s), 60% of its requests"}
+
+
+def test_the_ratio_uses_the_model_alone_measured_on_the_loads_own_requests():
+    fig = rerank_figure(LOAD, texts=20, clients=4, batch_rows=16, workers=1, benchmark=BENCH, variant="onnx",
+                        alone=ALONE)
+    assert fig["offline_source"] == "model_alone" and fig["offline_rows_per_s"] == 500.0
+    assert fig["served_vs_offline"] == pytest.approx(400.0 / 500.0) and fig["meets_target"] is True
+    off = fig["offline"]
+    assert off["batch_size"] == 1 and off["batch_rows"] == 16 and off["rows_per_request"] == 20
+    assert off["model_calls_per_batch"] == {"4": 1, "16": 1} and off["measured"] is ALONE
+    assert "this run" in off["formula"] and "own requests" in off["formula"] and "same rows" in fig["offline_why"]
+    # The benchmark's figure at the calls the server made, beside it, with its own ratio.
+    bench = fig["offline_benchmark"]
+    assert bench["source"] == "benchmark" and bench["value"] == pytest.approx(
+        rerank_figure(LOAD, texts=20, clients=4, batch_rows=16, workers=1, benchmark=BENCH, variant="onnx")["offline"]["value"])
+    assert fig["served_vs_offline_benchmark"] == pytest.approx(400.0 / bench["value"], abs=1e-4)
+    assert fig["model_alone_errors"] is None and "model alone on this load's own requests" in fig["ratio_formula"]
+
+
+def test_a_failed_in_run_measurement_falls_back_to_the_benchmark_and_says_so():
+    failed = {"ok": False, "errors": ["exit 1: ModuleNotFoundError"], "processes": [], "batch_basis": "x"}
+    fig = rerank_figure(LOAD, texts=20, clients=4, batch_rows=16, workers=1, benchmark=BENCH, variant="onnx",
+                        alone=failed)
+    assert fig["offline_source"] == "benchmark" and fig["offline"] == fig["offline_benchmark"]
+    assert fig["offline_rows_per_s"] == pytest.approx(fig["offline_benchmark"]["value"], abs=0.01)
+    assert fig["model_alone_errors"] == ["exit 1: ModuleNotFoundError"]
+    assert "could not be measured" in fig["offline_why"] and "ModuleNotFoundError" in fig["offline_why"]
+    assert "benchmark's figure" in fig["ratio_formula"]
+    # Neither figure: no ratio, and why.
+    none = rerank_figure(LOAD, texts=20, clients=4, batch_rows=16, workers=1, benchmark={}, variant="onnx", alone=failed)
+    assert none["offline_rows_per_s"] is None and none["served_vs_offline"] is None and none["meets_target"] is None
+    assert none["offline_source"] is None and "no steady-state curve" in none["offline_why"]
+
+
+def test_the_model_alone_runs_the_batches_that_carried_the_load():
+    # 30 batches of 1 = 30 requests, 10 of 2 = 20: size 1 carried most; a tie goes to the larger.
+    assert alone_batch({"1": 30, "2": 10})[0] == 1 and "60%" in alone_batch({"1": 30, "2": 10})[1]
+    assert alone_batch({"1": 20, "2": 10})[0] == 2 and alone_batch({"4": 3, "2": 1})[0] == 4
+    assert alone_batch({}, 3) == (3, "the configured batchSize (no batch was seen in the logs)")
+    assert alone_batch({})[0] == 1
+    cases = [HttpCase(f"q{i}", "application/json", b"{}") for i in range(16)]
+    assert len(whole_batches(cases, 1)) == 16 and len(whole_batches(cases, 4)) == 16
+    assert len(whole_batches(cases, 3)) == 48 and len(whole_batches(cases, 32)) == 32
+
+
+def test_the_stage_runs_the_model_alone_on_the_loads_requests_as_the_workers_run_it(tmp_path, monkeypatch):
+    """stages/serve_check.py's wiring, no server: the model-alone runner it hands the rerank load runs
+    the served variant on the cases it is given, at the served batch_rows, threads and workers."""
+    from types import SimpleNamespace
+    import pipeline.serve.model_alone as model_alone
+    import stages.serve_check as stage
+    (tmp_path / "model-config.yaml").write_text("batchSize: 2\nhandler:\n  threads: 3\n  batch_rows: 16\n")
+    monkeypatch.setattr(stage, "SERVE_DIR", tmp_path)
+    monkeypatch.setattr(stage, "served_benchmark", lambda name: ("onnx", BENCH))
+    monkeypatch.setattr(stage, "variant_dir", lambda v: tmp_path / "variants" / v)
+    monkeypatch.setattr(stage, "rerank_cases", lambda golden, texts: [HttpCase("q", "application/json", b"{}")] * 16)
+    handed, ran = {}, {}
+    monkeypatch.setattr(stage, "measure_rerank_load", lambda spec, cases, **kw: handed.update(kw, cases=cases) or {})
+    monkeypatch.setattr(model_alone, "measure_cases", lambda vdir, cases, **kw: ran.update(kw, vdir=vdir, cases=cases)
+                        or {"ok": True})
+    sc = SimpleNamespace(rerank_texts=20, rerank_clients=4, requests=100, time_cap_s=5, warmup_s=1)
+    params = SimpleNamespace(serve_check=sc, model=SimpleNamespace(name="m", text=SimpleNamespace(max_texts=64)))
+    derivation = {"batch_rows": {"value": 16}, "batch_size": {"value": 2}, "workers": {"value": 2}}
+    stage.rerank_load(params, None, derivation)
+    assert (handed["batch_rows"], handed["workers"], handed["configured_batch"]) == (16, 2, 2)
+    mine = handed["cases"][:4]
+    assert handed["model_alone"](mine, 2) == {"ok": True}
+    assert ran["cases"] == mine and ran["vdir"] == tmp_path / "variants" / "onnx"
+    assert ran == {**ran, "batch_size": 2, "batch_rows": 16, "workers": 2, "threads": 3, "device": "cpu"}
+    monkeypatch.setattr(stage, "served_benchmark", lambda name: (None, {}))
+    stage.rerank_load(params, None, derivation)
+    assert not handed["model_alone"](mine, 2)["ok"]                    # no served variant: says so, no run
 
 
 # --------------------------------------------------------------------------- real TorchServe
@@ -132,6 +218,7 @@ def test_serve_check_records_the_rerank_load_in_rows(tmp_path, monkeypatch):
     for name, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("GOLDEN_DIR", golden), ("SERVE_CHECK_JSON", out)):
         monkeypatch.setattr(stage, name, value)
     monkeypatch.setattr(stage, "benchmark_json", lambda v: bench)
+    monkeypatch.setattr(stage, "variant_dir", lambda v: tmp_path / "artifacts" / "variants" / v)
 
     rc = stage.main([])
     rec = json.loads(out.read_text())
@@ -153,8 +240,17 @@ def test_serve_check_records_the_rerank_load_in_rows(tmp_path, monkeypatch):
     assert calls == model_calls_formed(seen, 20, 16) and max(calls) <= 16
     assert sum(r * n for r, n in calls.items()) == rl["rows_answered"]
     offline = offline_rows_per_s(BENCH, calls, 1)["value"]
-    assert rl["offline_rows_per_s"] == pytest.approx(offline, abs=0.01)
+    assert rl["offline_benchmark"]["value"] == pytest.approx(offline, abs=0.01)
+    # The ratio's offline figure: the model alone in this run on the load's own 20-text queries, 1 process,
+    # server batches of the size that carried the load, calls of 16 rows.
+    alone = rl["offline"]
+    assert rl["offline_source"] == "model_alone" and alone["measured"]["ok"], rl.get("model_alone_errors")
+    assert alone["workers"] == 1 and alone["batch_rows"] == 16 and alone["rows_per_request"] == 20
+    assert alone["batch_size"] == max(seen, key=lambda k: (k * seen[k], k))
+    assert all(p["rows"] > 0 for p in alone["measured"]["processes"])
+    assert rl["offline_rows_per_s"] == round(alone["measured"]["rows_per_s"], 2) > 0
     assert rl["served_vs_offline"] == pytest.approx(rl["served_rows_per_s"] / rl["offline_rows_per_s"], rel=1e-3)
+    assert rl["served_vs_offline_benchmark"] == pytest.approx(rl["served_rows_per_s"] / offline, rel=1e-3)
     assert rl["meets_target"] == (rl["served_vs_offline"] >= 0.7)
     # The task's bad inputs: each answered with a 4xx naming it, the worker up.
     assert {"no_texts", "missing_query", "non_string_text", "too_many_texts", "query_over_the_limit"} <= set(rec["bad_inputs"])
@@ -198,7 +294,7 @@ def test_the_tuner_serves_each_candidates_rows_per_call(tmp_path):
 
 def test_the_report_and_summary_show_the_rerank_figure(tmp_path):
     from types import SimpleNamespace
-    from pipeline.publish.report_render import render_markdown
+    from pipeline.publish.report_render import fmt, render_markdown
     from pipeline.publish.report_serving import rerank_load_blocks
     from pipeline.publish.report_summary import _serve_check_figures
     load = {"requests_ok": 50, "wall_s": 2.5, "throughput_rps": 20.0, "batch_sizes_seen": {"1": 30, "2": 10}}
@@ -209,3 +305,19 @@ def test_the_report_and_summary_show_the_rerank_figure(tmp_path):
     assert _serve_check_figures({"rerank_load": fig})["rerank_vs_offline"] == fig["served_vs_offline"]
     assert "rerank_vs_offline" not in _serve_check_figures({"ratios": {}})          # other tasks: nothing added
     assert rerank_load_blocks(SimpleNamespace(serve_check={})) == []
+    assert "Why this figure: the model alone could not be measured" in md
+    # Measured alone in the run: the table says so, the benchmark's figure beside it for comparison.
+    fig = rerank_figure(LOAD, texts=20, clients=4, batch_rows=16, workers=1, benchmark=BENCH, variant="onnx",
+                        alone=ALONE)
+    md = render_markdown(rerank_load_blocks(SimpleNamespace(serve_check={"rerank_load": fig})), tmp_path)
+    assert "| offline rows/s: the model alone on these requests, this run | 500 |" in md
+    assert "run alone right after the load, in this run, on the load's own queries" in md
+    assert "1 of 4 rows, 1 of 16 rows per batch" in md and "**0.8** (met)" in md
+    assert f"| served / benchmark figure (not the ratio judged) | {fmt(fig['served_vs_offline_benchmark'])} |" in md
+    assert _serve_check_figures({"rerank_load": fig})["rerank_offline_rows_per_s"] == 500.0
+    # A record from before the in-run measurement (only the benchmark's figure, under `offline`) still renders.
+    old = {k: v for k, v in rerank_figure(load, texts=20, clients=4, batch_rows=16, workers=1, benchmark=BENCH,
+                                          variant="onnx").items()
+           if k not in ("offline_benchmark", "offline_source", "offline_why", "served_vs_offline_benchmark")}
+    md = render_markdown(rerank_load_blocks(SimpleNamespace(serve_check={"rerank_load": old})), tmp_path)
+    assert "Offline = workers x sum(rows)" in md and "Why this figure" not in md
