@@ -113,3 +113,28 @@ def test_the_export_goes_in_and_out_as_links_and_a_rewrite_never_reaches_it(cach
     assert isinstance(onnx.load(str(dest / "raw.onnx")), onnx.ModelProto)
     assert (entry / "raw.onnx").read_bytes() == b"graph" * 1000            # the cached export untouched
     assert (entry / "raw.onnx.data").read_bytes() == b"w" * 4096 and not (dest / "raw.onnx.data").exists()
+
+
+def test_external_data_is_copied_so_the_onnx_checker_accepts_a_restored_export(cache, tmp_path):
+    """onnx's checker refuses an external-data file with more than one hard link ("a potential hardlink
+    attack"): every ONNX build of a 2 GB model restored from a linked cache failed with it."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    src = tmp_path / "first"
+    src.mkdir()
+    w = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [w])
+    onnx.save(helper.make_model(graph), str(src / "raw.onnx"), save_as_external_data=True,
+              location="raw.onnx.data", size_threshold=0)
+    files = [src / "raw.onnx", src / "raw.onnx.data"]
+    ec.store("ext", files, readers=None)
+    assert (src / "raw.onnx.data").stat().st_nlink == 1          # the build's own copy stays single
+    dest = tmp_path / "later"
+    dest.mkdir()
+    assert ec.restore("ext", dest) == ["raw.onnx", "raw.onnx.data"]
+    assert (dest / "raw.onnx").stat().st_ino == (cache / "ext" / "raw.onnx").stat().st_ino   # the graph linked
+    assert (dest / "raw.onnx.data").stat().st_nlink == 1                                     # the data copied
+    onnx.checker.check_model(str(dest / "raw.onnx"))

@@ -11,10 +11,10 @@ it, the input/output names, dtypes, example shapes and dynamic axes, the exporte
 this package's export code, and the torch / onnx / onnxscript / transformers versions.
 
 Where: $PIPELINE_CACHE_DIR/onnx-export (default ~/.cache/model-pipeline), outside the repository
-and outside DVC's outputs, like the inductor and Hugging Face caches. Files go in and out as hard
-links where the cache and the build share a filesystem (else as copies): a 2 GB model's export was
-copied three times more (2–5 s each, and as many GB written back). No ONNX step writes into an
-export file in place — each rewrite (fp16 conversion, one-file form) is a new file, the old name
+and outside DVC's outputs, like the inductor and Hugging Face caches. Graph files go in and out as
+hard links where the cache and the build share a filesystem (else as copies); external data is
+copied, because onnx's checker refuses a data file with more than one link. No ONNX step writes into
+an export file in place — each rewrite (fp16 conversion, one-file form) is a new file, the old name
 unlinked first (`onnx._save`) — so a linked build cannot reach the cached bytes.
 
 An entry is as big as the model's fp32 weights, and only the run's other ONNX builds read it again,
@@ -98,12 +98,17 @@ def _version(package: str) -> Optional[str]:
 
 
 def place(src: Path, dst: Path) -> None:
-    """`dst` := `src`'s bytes: a hard link on one filesystem (no copy, nothing written back), else a copy."""
+    """`dst` := `src`'s bytes: the graph (`.onnx`) as a hard link on one filesystem (no copy, nothing
+    written back), else a copy. External data is always copied: onnx's checker refuses a data file
+    with more than one link (its guard against hard-link attacks), so a linked one fails every build."""
     dst.unlink(missing_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
+    if src.suffix == ".onnx":
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass
+    shutil.copyfile(src, dst)
 
 
 def restore(key: str, dest_dir: Path) -> Optional[list[str]]:
