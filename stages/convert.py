@@ -42,8 +42,8 @@ def convert_sharing_the_export(variant: str, params, convert):
     if variant not in ONNX_VARIANTS:
         return convert()
     before = os.environ.get(export_cache.READERS_ENV)
-    os.environ[export_cache.READERS_ENV] = ",".join(export_cache.reader_id(v) for v in params.variants
-                                                    if v in ONNX_VARIANTS and v != variant)
+    os.environ[export_cache.READERS_ENV] = ",".join(
+        export_cache.reader_id(v) for v in export_cache.later_readers(params.variants, variant, ONNX_VARIANTS))
     try:
         return convert()          # the build's process inherits the environment
     finally:

@@ -18,7 +18,7 @@ an export file in place — each rewrite (fp16 conversion, one-file form) is a n
 unlinked first (`onnx._save`) — so a linked build cannot reach the cached bytes.
 
 An entry is as big as the model's fp32 weights, and only the run's other ONNX builds read it again,
-so it is kept only for them: the convert stage names them ($PIPELINE_EXPORT_READERS: the other ONNX
+so it is kept only for them: the convert stage names them ($PIPELINE_EXPORT_READERS: the later ONNX
 variants of params.yaml `variants`, each tagged with its workspace), the entry holds one mark per
 reader (`.readers/`), each ONNX convert stage removes its own mark when it ends (`finished`, whatever
 its outcome), and the last one removes the entry. A run with one ONNX variant keeps nothing. A
@@ -136,6 +136,14 @@ def reader_id(variant: str) -> str:
     mark and unmark entries apart."""
     from pipeline.core.params import REPO_ROOT
     return f"{variant}@{hashlib.sha256(str(REPO_ROOT.resolve()).encode()).hexdigest()[:12]}"
+
+
+def later_readers(variants: list[str], variant: str, onnx_variants) -> list[str]:
+    """The ONNX variants that build after `variant` in this run: `dvc repro` builds the foreach items in
+    `variants` order. An earlier one never reads an entry this build stores (an entry marked for it
+    stayed behind, a 2 GB export); one that re-runs later, alone, exports again."""
+    after = variants[variants.index(variant) + 1:] if variant in variants else []
+    return [v for v in after if v in onnx_variants]
 
 
 def expected_readers() -> Optional[list[str]]:
