@@ -31,15 +31,6 @@ CLASSIFICATION_KINDS = (text.TEXT_CLASSIFICATION, "image-classification")
 KINDS = (*CLASSIFICATION_KINDS, text.RERANK, text.TOKENS)
 
 
-def probabilities(logits: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis, or the sigmoid of a single logit (transformers' default choice)."""
-    x = np.asarray(logits, dtype=np.float64)
-    if x.shape[-1] == 1:
-        return 1.0 / (1.0 + np.exp(-x))
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
 def order_breaks(got: np.ndarray, ref: np.ndarray, top: Optional[int] = None, tie: float = TIE) -> int:
     """Pairs (i, j) where the reference puts i above j by more than a tie and the variant does not
     put i strictly above j; i ranges over the reference's `top` best (all when None)."""
@@ -64,14 +55,14 @@ def figures(kind: str, got_batches: list[np.ndarray], ref_batches: list[np.ndarr
         return None
     if kind == text.TOKENS:
         ents = text.entity_figures(got_batches, ref_batches, labels)
-        diff = max((float(np.abs(probabilities(g) - probabilities(r)).max())
+        diff = max((float(np.abs(text.probabilities(g) - text.probabilities(r)).max())
                     for g, r in zip(got_batches, ref_batches)), default=0.0)
         return _figures(kind, ents["samples"], ents["changed_row_examples"], diff, n_changed=ents["changed_rows"],
                         entities=ents["entities"], entity_f1=ents["entity_f1"], precision=ents["precision"],
                         recall=ents["recall"])
     got = np.concatenate([np.asarray(g) for g in got_batches])
     ref = np.concatenate([np.asarray(r) for r in ref_batches])
-    gp, rp = probabilities(got.reshape(len(got), -1)), probabilities(ref.reshape(len(ref), -1))
+    gp, rp = text.probabilities(got.reshape(len(got), -1)), text.probabilities(ref.reshape(len(ref), -1))
     diff = float(np.abs(gp - rp).max()) if gp.size else 0.0
     if kind == text.RERANK:
         g, r = gp.reshape(-1), rp.reshape(-1)

@@ -19,12 +19,17 @@ RERANK_GROUP = 10
 NDCG_AT = 10
 
 
-def _scores(logits: np.ndarray) -> np.ndarray:
-    x = logits.reshape(logits.shape[0], -1).astype(np.float64)
-    if x.shape[1] == 1:
+def probabilities(logits: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, or the sigmoid of a single logit (transformers' default choice)."""
+    x = np.asarray(logits, dtype=np.float64)
+    if x.shape[-1] == 1:
         return 1.0 / (1.0 + np.exp(-x))
-    e = np.exp(x - x.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _scores(logits: np.ndarray) -> np.ndarray:
+    return probabilities(logits.reshape(logits.shape[0], -1))
 
 
 def text_classification_figures(got: np.ndarray, ref: np.ndarray) -> dict:
