@@ -162,16 +162,54 @@ def _visible_files(folder: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def _private_tmpdir() -> Iterator[Path]:
+def _private_tmpdir(beside: Path) -> Iterator[Path]:
     """The archiver stages in `tempfile.gettempdir()/<model-name>` after rmtree'ing it: give each
-    build its own temp dir so parallel builds of the same name cannot collide."""
-    with _ARCHIVER_LOCK, tempfile.TemporaryDirectory(prefix="mar-build-") as private:
+    build its own temp dir so parallel builds of the same name cannot collide. It lies in `beside`
+    (the export folder), on the filesystem the archive is written to, so staging can link."""
+    with _ARCHIVER_LOCK, tempfile.TemporaryDirectory(prefix=".mar-build-", dir=beside) as private:
         saved = tempfile.tempdir
         tempfile.tempdir = private
         try:
             yield Path(private)
         finally:
             tempfile.tempdir = saved
+
+
+def _link_or_copy2(src: str, dst: str, *, follow_symlinks: bool = True) -> str:
+    """shutil.copy2's contract, by a hard link to the source's bytes where the filesystem allows."""
+    if os.path.isdir(dst):
+        dst = os.path.join(dst, os.path.basename(src))
+    try:
+        os.link(os.path.realpath(src), dst)
+        return dst
+    except OSError:
+        return shutil.copy2(src, dst, follow_symlinks=follow_symlinks)
+
+
+class _LinkingShutil:
+    """`shutil` as torch-model-archiver sees it while it stages an archive: its copies (copy, copy2,
+    copytree) link instead. The archiver copies every file into its staging folder before zipping
+    it; for a GB-sized model that is a full second write of the weights, for nothing."""
+    copy = copy2 = staticmethod(_link_or_copy2)
+
+    @staticmethod
+    def copytree(src, dst, symlinks=False, ignore=None, *args, **kwargs):
+        return shutil.copytree(src, dst, symlinks, ignore, *args, copy_function=_link_or_copy2,
+                               **{k: v for k, v in kwargs.items() if k != "copy_function"})
+
+    def __getattr__(self, name):
+        return getattr(shutil, name)
+
+
+@contextlib.contextmanager
+def _archiver_links() -> Iterator[None]:
+    import model_archiver.model_packaging_utils as mpu
+    saved = mpu.shutil
+    mpu.shutil = _LinkingShutil()
+    try:
+        yield
+    finally:
+        mpu.shutil = saved
 
 
 def _stage(files: dict[str, Path | bytes], stage: Path) -> None:
@@ -200,7 +238,7 @@ def package(model_name: str, entry_handler: Path, files: dict[str, Path | bytes]
     from model_archiver.model_packaging import generate_model_archive
 
     export_dir.mkdir(parents=True, exist_ok=True)
-    with _private_tmpdir() as private:
+    with _private_tmpdir(export_dir) as private, _archiver_links():
         stage = private / "stage"
         stage.mkdir()
         serialized_src = None
