@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pipeline.serve.bad_input import bad_input_cases, check_bad_inputs, max_request_size
 from pipeline.serve.http_cases import HttpCase
@@ -165,14 +165,16 @@ def _settings(desc: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- winner vs baseline
-def serve_check(winner: ServerSpec, baseline: Optional[ServerSpec], cases: list[HttpCase], *,
+def serve_check(winner: ServerSpec, baseline: ServerSpec | Callable[[], Optional[ServerSpec]] | None,
+                cases: list[HttpCase], *,
                 task: str, atol: float, rtol: float, gate: Optional[dict] = None, requests: int, concurrency: int,
                 time_cap_s: float, alternate: Optional[ServerSpec] = None,
                 store_form: str = "mar", startup: Optional[dict] = None, warmup_s: float = 0.0) -> dict:
     """The metrics/serve_check.json record: the winner's figures at the top level, the baseline's
     under `baseline`, `ratios` winner/baseline, and `ok` + `failures` (why the stage must fail).
 
-    alternate: the same model in the other store form (pipeline/decide/store_form.py), READY only;
+    baseline: its spec, or a callable returning it, called once the winner's starts are measured
+    (the stage packs the references' archives there). alternate: the same model in the other store form (pipeline/decide/store_form.py), READY only;
     `store_forms` records READY of both. startup: `startup_check.startup_evidence` of the
     derivation, to say what a worker killed at its startupTimeout needed."""
     w = check_server(winner, cases, task=task, atol=atol, rtol=rtol, gate=gate, requests=requests,
@@ -186,6 +188,8 @@ def serve_check(winner: ServerSpec, baseline: Optional[ServerSpec], cases: list[
                  store_form: {k: w.get(k) for k in ("ready", "ready_s", "all_workers_ready_s", "worker_load_ms")},
                  ("mar" if store_form == "folder" else "folder"): other}
     b = None
+    if callable(baseline):
+        baseline = baseline()
     if baseline is not None:
         # Same load, same run. No bad inputs (the naive handler is not expected to survive them) and
         # no parity pass (the baseline is the reference model itself; at its speed it would double

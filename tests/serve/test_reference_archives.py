@@ -78,12 +78,17 @@ class StandIns:
     complete archive in the scratch directory at that moment."""
 
     def __init__(self, monkeypatch, stage, outcome="pass"):
-        self.specs, self.outcome = {}, outcome
+        self.specs, self.outcome, self.scratch = {}, outcome, stage.SCRATCH_DIR
         monkeypatch.setattr(stage, "measure_server_floor", lambda **kw: {"ready": True, "ready_s": 1.0})
         monkeypatch.setattr(stage, "serve_check", self.serve_check)
         monkeypatch.setattr(stage, "references", self.references)
 
     def serve_check(self, winner, baseline, cases, **kw):
+        # The winner is started before any reference archive is written (its files stay cached).
+        self.archives_before_winner = list(self.scratch.rglob("*.mar"))
+        baseline = baseline() if callable(baseline) else baseline
+        if baseline is None:
+            return {"ready": False, "failures": ["no baseline"], "ok": False}
         self.specs["baseline"] = self._check(baseline)
         if self.outcome == "raise":
             raise RuntimeError("the server died")
@@ -148,6 +153,7 @@ def test_serve_check_packs_the_references_in_scratch_and_leaves_no_reference_byt
     record = json.loads(stage.SERVE_CHECK_JSON.read_text())["reference_archives"]
     assert record["removed"] is True
     assert record["baseline"]["mar_bytes"] == base["bytes"] and record["handtuned"]["mar_bytes"] == hand["bytes"]
+    assert stand_ins.archives_before_winner == []
 
 
 @pytest.mark.parametrize("outcome", ["fail", "raise"])
