@@ -235,7 +235,12 @@ def test_warmup_runs_windows_until_three_agree_or_the_cap(served):
         assert len(last) == 3 and max(last) / min(last) - 1 <= WARMUP_SETTLED + 0.002   # rounding
     else:       # stopped before a window that would have ended past the cap
         assert w["seconds"] + w["longest_window_s"] > 4.0
-    # No window settles at a zero cap: one window, then it stops.
+    # The frontend's JIT compilers are found and read on a real JVM (it has compiled by now).
+    from pipeline.serve.jvm_jit import compiler_cpu_s
+    assert all(x is not None and x >= 0 for x in w["jit_compiler_cores"])
+    assert compiler_cpu_s(served.java_pid) > 0
+    # No window settles at a zero cap: one window, then it stops (a busy compiler extends the cap,
+    # not the zero).
     assert len(_warmup(served, CASES, 2, 0.0)["windows_rps"]) == 1
 
 
@@ -472,9 +477,59 @@ def test_warmup_starts_no_window_that_would_end_past_its_cap(monkeypatch):
         now[0] += next(lengths)
         return LoadResult(0, 16, 16, 16, 0, 0, 0, 1.0, 2.0, 1.5, next(rates), 1.0, concurrency, True)
     monkeypatch.setattr(sc, "run_load", window)
-    w = sc._warmup(None, [], 16, 10.0)
+    no_jvm = types.SimpleNamespace(java_pid=None)          # no compiler figures: judged on the rates
+    w = sc._warmup(no_jvm, [], 16, 10.0)
     assert w["windows_rps"] == [3.0] and w["seconds"] == 6.0 and not w["settled"]     # 6 + 6 > 10
     now[0] = 0.0
     lengths, rates = iter([1.0] * 20), iter([50.0, 54.0, 60.0, 61.0, 60.5, 60.0, 61.0])
-    w = sc._warmup(None, [], 16, 10.0)
+    w = sc._warmup(no_jvm, [], 16, 10.0)
     assert w["settled"] and w["windows_rps"][-3:] == [60.0, 61.0, 60.5] and w["seconds"] == 5.0
+
+
+def test_warmup_waits_for_the_jit_compilers_to_go_quiet(monkeypatch):
+    """Issue 29: rates can agree while the frontend's C2 compiler still takes a core; the measured load
+    starts once the compilers are quiet over the judged windows, within WARMUP_JIT_EXTENSION x the cap."""
+    import types
+
+    from pipeline.serve import jvm_jit, serve_check as sc
+    from pipeline.serve.load import LoadResult
+    now, compiled = [0.0], [0.0]
+    monkeypatch.setattr(sc, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(jvm_jit, "compiler_cpu_s", lambda pid: compiled[0])
+    busy = iter([0.5, 0.5, 0.3, 0.2, 0.1, 0.02, 0.01, 0.01] + [0.0] * 50)
+
+    def window(ts, cases, requests, concurrency, time_cap_s, request_timeout_s):
+        now[0] += 1.0
+        compiled[0] += next(busy)
+        return LoadResult(0, 16, 16, 16, 0, 0, 0, 1.0, 2.0, 1.5, 60.0, 1.0, concurrency, True)
+    monkeypatch.setattr(sc, "run_load", window)
+    jvm = types.SimpleNamespace(java_pid=1234)
+    w = sc._warmup(jvm, [], 16, 5.0)
+    # Rates agreed from the third window; the compilers first averaged <= 0.05 of a core over windows
+    # 5-7 (0.1, 0.02, 0.01).
+    assert w["settled"] and w["jit_quiet"] and w["seconds"] == 7.0
+    assert w["jit_compiler_cores"][:3] == [0.5, 0.5, 0.3]
+    # A compiler that never goes quiet: the warm-up stops at the extended cap, and says so.
+    now[0], busy = 0.0, iter([0.5] * 50)
+    w = sc._warmup(jvm, [], 16, 5.0)
+    assert not w["jit_quiet"] and w["seconds"] == 5.0 * sc.WARMUP_JIT_EXTENSION
+    # Quiet compilers: the cap is the cap.
+    now[0], busy = 0.0, iter([0.0] * 50)
+    rates_never_agree = iter([10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0])
+    monkeypatch.setattr(sc, "run_load", lambda *a, **k: (now.__setitem__(0, now[0] + 1.0), compiled.__setitem__(0, compiled[0] + next(busy)),
+                        LoadResult(0, 16, 16, 16, 0, 0, 0, 1.0, 2.0, 1.5, next(rates_never_agree), 1.0, 16, True))[2])
+    w = sc._warmup(jvm, [], 16, 5.0)
+    assert not w["settled"] and w["jit_quiet"] and w["seconds"] == 5.0
+
+
+def test_compiler_cpu_is_none_without_a_jvm_and_zero_without_compiler_threads():
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.serve.jvm_jit import compiler_cpu_s
+    assert compiler_cpu_s(None) is None
+    assert compiler_cpu_s(os.getpid()) == 0.0                 # a Python process: no HotSpot compilers
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert compiler_cpu_s(gone.pid) is None
