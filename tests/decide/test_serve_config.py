@@ -111,6 +111,22 @@ def test_slo_unreachable_takes_the_lowest_p99():
     assert not op.fits_slo and op.batch_size == 1 and op.delay_ms == 1
 
 
+def test_a_batch_past_the_slo_waits_to_fill_not_one_ms():
+    """Issue 29: bert-large at batch 8 (p99 past the SLO) was served with a 1 ms delay; batches left
+    part-full (4.7 of 8 requests) and served 0.76 of the model alone's rate. Past the SLO the wait is
+    the batch's fill time, capped at a tenth of its p99."""
+    from pipeline.decide.operating_point import OUT_OF_SLO_WAIT_SHARE, CurvePoint, batch_delay_ms
+    p = CurvePoint(8, p50_ms=380.0, p99_ms=400.0, throughput_sps=20.0)
+    d, inputs = batch_delay_ms(p, 200.0, 0.5, workers=2)
+    # fill (8 − 1) × 1000 / (2 × 20/s) = 175 ms; cap 0.1 × 400 = 40 ms
+    assert d == 40 and inputs["slo_out_of_reach"] and inputs["wait_cap_ms"] == 400.0 * OUT_OF_SLO_WAIT_SHARE
+    fast = CurvePoint(8, p50_ms=380.0, p99_ms=400.0, throughput_sps=2000.0)
+    assert batch_delay_ms(fast, 200.0, 0.5, workers=2)[0] == 1         # fills in 1.75 ms: the fill caps it
+    within = CurvePoint(8, p50_ms=150.0, p99_ms=160.0, throughput_sps=20.0)
+    d, inputs = batch_delay_ms(within, 200.0, 0.5, workers=2)
+    assert d == 20 and "slo_out_of_reach" not in inputs                 # headroom 0.5 × 40 ms, as before
+
+
 def test_cpu_workers_times_threads_fit_the_physical_cores():
     d = derive(bench(MONOTONIC, threads=2))
     assert d["threads_per_worker"].value == 2
