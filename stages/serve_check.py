@@ -204,7 +204,8 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases, handtu
     setups = interleaved_rounds(specs, cases, task=params.model.task, rounds=sc.rounds, requests=sc.requests,
                                 concurrency=sc.concurrency, time_cap_s=sc.time_cap_s,
                                 slo_ms=params.serve.latency_slo_ms, first_round=first,
-                                decided_band=sc.decided_band, warmup_s=sc.warmup_s)
+                                decided_band=sc.decided_band, warmup_s=sc.warmup_s,
+                                uncompared=frozenset({CEILING, CEILING_EMPTY}))
     out = {"rounds": sc.rounds, "decided_band": sc.decided_band,
            "rounds_served": {n: len(s_["rounds"]) for n, s_ in setups.items()}, "concurrency": sc.concurrency, "latency_slo_ms": params.serve.latency_slo_ms,
            "handtuned_setup": handtuned,

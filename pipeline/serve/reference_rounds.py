@@ -57,10 +57,12 @@ def ratios(a: dict, b: dict) -> dict:
             "p99": div(a.get("p99_ms"), b.get("p99_ms")), "ready": div(a.get("ready_s"), b.get("ready_s"))}
 
 
-def undecided(per: dict[str, list[dict]], band: float, winner: str = "winner") -> list[str]:
+def undecided(per: dict[str, list[dict]], band: float, winner: str = "winner",
+              uncompared: frozenset = frozenset()) -> list[str]:
     """The references whose ratios to the winner (medians so far) are not all beyond `band` of
-    parity (1/(1+band) .. 1+band) on throughput, p99 and READY; every reference when band <= 0."""
-    refs = [n for n in per if n != winner]
+    parity (1/(1+band) .. 1+band) on throughput, p99 and READY; every reference when band <= 0.
+    `uncompared`: setups served for a figure of their own (the bound's ceilings), never open."""
+    refs = [n for n in per if n != winner and n not in uncompared]
     if band <= 0 or winner not in per:
         return refs
     w = summarise(per[winner], float("inf"))
@@ -75,10 +77,11 @@ def undecided(per: dict[str, list[dict]], band: float, winner: str = "winner") -
 def interleaved_rounds(specs: dict[str, ServerSpec], cases: list[HttpCase], *, task: str, rounds: int,
                        requests: int, concurrency: int, time_cap_s: float, slo_ms: float,
                        first_round: Optional[dict[str, dict]] = None, decided_band: float = 0.0,
-                       warmup_s: float = 0.0) -> dict[str, Any]:
+                       warmup_s: float = 0.0, uncompared: frozenset = frozenset()) -> dict[str, Any]:
     """{setup: summary} over up to `rounds` rounds (see `undecided` for `decided_band`). first_round:
     check_server results already measured in this run (they count as round 1; the setups missing
-    from it are served after them)."""
+    from it are served after them). uncompared: setups that decide no further round (a ceiling's
+    READY near the winner's is no contest) but are served again in any round that happens."""
     names = list(specs)
     per: dict[str, list[dict]] = {n: [] for n in names}
     done = dict(first_round or {})
@@ -98,12 +101,12 @@ def interleaved_rounds(specs: dict[str, ServerSpec], cases: list[HttpCase], *, t
         else:
             serve(name, 1)
     for rnd in range(1, rounds):
-        open_ = undecided(per, decided_band)
+        open_ = undecided(per, decided_band, uncompared=uncompared)
         if not open_:
             log.info("after round %d every comparison with the winner is beyond %.0f%% of parity "
                      "(serve_check.decided_band): no further round", rnd, 100 * decided_band)
             break
-        served = [n for n in names if n == "winner" or n in open_]
+        served = [n for n in names if n == "winner" or n in open_ or n in uncompared]
         for k in range(len(served)):
             serve(served[(k + rnd) % len(served)], rnd + 1)
     return {n: summarise(per[n], slo_ms) for n in names}

@@ -35,7 +35,7 @@ WARMUP_SETTLED_WINDOWS = 3
 # Warm also means the frontend's JIT compilers have gone quiet (pipeline/serve/jvm_jit.py): at most this
 # share of a core over the last WARMUP_SETTLED_WINDOWS windows. While they are busier, the warm-up may run on to
 # WARMUP_JIT_EXTENSION x its cap; a server whose compilers are quiet stops at the cap as before.
-WARMUP_JIT_QUIET_CORES = 0.05
+WARMUP_JIT_QUIET_CORES = 0.1
 WARMUP_JIT_EXTENSION = 3.0
 
 
