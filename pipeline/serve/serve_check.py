@@ -34,11 +34,9 @@ WARMUP_SETTLED = 0.05
 WARMUP_SETTLED_WINDOWS = 3
 # Warm also means the frontend's JIT compilers have gone quiet (pipeline/serve/jvm_jit.py): at most this
 # share of a core over the last WARMUP_SETTLED_WINDOWS windows. While they are busier, the warm-up may run on to
-# WARMUP_JIT_EXTENSION x its cap; a server whose compilers are quiet stops at the cap as before. C2 keeps
-# recompiling in bursts of 0.05-0.12 of a core for tens of seconds after its first wave: a round measured
-# right after one ran ~15% below the steady state, so quiet means nearly idle.
-WARMUP_JIT_QUIET_CORES = 0.03
-WARMUP_JIT_EXTENSION = 5.0
+# WARMUP_JIT_EXTENSION x its cap; a server whose compilers are quiet stops at the cap as before.
+WARMUP_JIT_QUIET_CORES = 0.1
+WARMUP_JIT_EXTENSION = 3.0
 
 
 @dataclass(frozen=True)
