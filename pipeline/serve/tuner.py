@@ -3,6 +3,7 @@
 window (pipeline/serve/load.py), one measurement per candidate and round."""
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 import time
@@ -18,6 +19,8 @@ from pipeline.serve.decision import CandidateResult
 from pipeline.serve.http_cases import HttpCase
 from pipeline.serve.load import run_load
 from pipeline.serve.torchserve import ModelNotReady, TorchServe, TorchServeError, start_command_env, stop_all
+
+log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 60.0      # a slow answer in a short window is slow, not lost
 
@@ -91,13 +94,15 @@ class Tuner:
                                             **c.frontend},
                           env=start_command_env(env_threads or c.threads))
 
-    def _register(self, ts: TorchServe, c: OperatingCandidate) -> float:
+    def _register(self, ts: TorchServe, c: OperatingCandidate, *, retry: bool = False) -> float:
         """Replace the served model by `c` (unregister, rewrite its yaml, register synchronously);
         returns the seconds until its workers were READY."""
         name = self.model.name
         t0 = time.monotonic()
         r = ts.api.management("DELETE", f"/models/{name}", timeout_s=60)
-        if r.status != 200:
+        if r.status == 404 and retry:
+            pass                # a failed attempt's registration left nothing to unregister
+        elif r.status != 200:
             raise TorchServeError(f"unregistering {name} → {r.status}: {r.body[:300]!r}")
         while ts.api.management("GET", f"/models/{name}", timeout_s=10).status == 200 and time.monotonic() - t0 < 30:
             time.sleep(0.05)
@@ -173,13 +178,27 @@ class Tuner:
                 loaded = first
                 for rnd, i in order:
                     c = candidates[i]
-                    try:
-                        ready_s = ts.readiness.ready_s if c is loaded and rnd == 0 and i == order[0][1] \
-                            else self._register(ts, c)
-                        loaded = c
-                        results[i].rounds.extend(self._load(ts, c, rnd + 1, ready_s, [self.concurrency]))
-                    except (TorchServeError, OSError) as e:
-                        results[i].rounds.append(_failed_round(rnd + 1, self.concurrency, e))
+                    first_error = None
+                    # A measurement that raised (a registration or connection error, not a slow or
+                    # failing candidate: those are measured) is made once more on a fresh
+                    # registration, so one transient error does not decide the contest alone.
+                    for attempt in range(2):
+                        try:
+                            ready_s = ts.readiness.ready_s \
+                                if attempt == 0 and c is loaded and rnd == 0 and i == order[0][1] \
+                                else self._register(ts, c, retry=attempt > 0)
+                            loaded = c
+                            measured = self._load(ts, c, rnd + 1, ready_s, [self.concurrency])
+                            if first_error is not None:
+                                measured = [dict(m, retried_after=first_error) for m in measured]
+                            results[i].rounds.extend(measured)
+                            break
+                        except (TorchServeError, OSError) as e:
+                            log.warning("%s, round %d, attempt %d: %s", c.name, rnd + 1, attempt + 1, e)
+                            if attempt == 1:
+                                results[i].rounds.append(_failed_round(rnd + 1, self.concurrency, e,
+                                                                       first_error=first_error))
+                            first_error = str(e)[:2000]
                     self.progress()
         except (ModelNotReady, TorchServeError) as e:
             for r in results:
@@ -266,6 +285,10 @@ class Tuner:
                 "inflight_within_slo": max((m["concurrency"] for m in fit), default=None)}
 
 
-def _failed_round(round_no: int, concurrency: int, error: Exception) -> dict:
-    """A measurement that could not be made: the record says why (the error, bounded)."""
-    return {"round": round_no, "ok": False, "concurrency": concurrency, "error": str(error)[:2000]}
+def _failed_round(round_no: int, concurrency: int, error: Exception, first_error: Optional[str] = None) -> dict:
+    """A measurement that could not be made: the record says why (the error, bounded; and the
+    first attempt's, when it was tried twice)."""
+    out = {"round": round_no, "ok": False, "concurrency": concurrency, "error": str(error)[:2000]}
+    if first_error is not None:
+        out["retried_after"] = first_error
+    return out

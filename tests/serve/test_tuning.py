@@ -358,6 +358,7 @@ def test_tuner_replaces_the_offline_choice_when_bigger_batches_serve_better(cost
     # The tuning's wall time holds its disjoint phases: the server's start, each re-registration
     # (every round's ready_s: the first is the start) and each measure_s window of load.
     rounds = [r for c in rec["candidates"] for r in c["rounds"]]
+    assert all(r["ok"] for r in rounds), [(r["round"], r.get("error")) for r in rounds if not r["ok"]]
     assert round(rounds[0]["ready_s"], 2) == rec["server_start_s"][0]     # the first measurement: the start's READY
     assert sum(r["ready_s"] for r in rounds) + len(rounds) * s.measure_s <= rec["duration_s"] + 0.05
     _assert_throughput_is_requests_over_the_window(rounds, s.measure_s, rec["duration_s"])
@@ -536,3 +537,38 @@ def test_when_nothing_meets_the_slo_more_throughput_at_no_worse_p99_is_taken():
     d = decide([_result(off, [(150, 145), (152, 151)]), _result(big, [(250, 300), (254, 310)])],
                objective="throughput", slo_ms=14, min_gain=0.05)
     assert d["chosen"] == 0
+
+
+@pytest.mark.torchserve
+@needs_java
+def test_a_measurement_that_raises_is_made_again_on_a_fresh_registration(cost_model, tmp_path):
+    """The model unregistered behind the tuner's back after the first measurement: the next
+    candidate's registration fails (nothing to unregister), is made again, and is measured; the
+    record keeps the first attempt's error."""
+    from pipeline.serve.torchserve_http import ServerApi, read_properties
+    from pipeline.serve.tuner import Tuner
+    workroot = tmp_path / "servers"
+    unregistered = []
+
+    def unregister_once():
+        if unregistered:
+            return
+        wd = workroot / "server-1"
+        props = read_properties(wd / "config.properties")
+        port = {k: int(props[k].rsplit(":", 1)[1]) for k in ("inference_address", "management_address")}
+        api = ServerApi(wd, port["inference_address"], port["management_address"], "cost")
+        unregistered.append(api.management("DELETE", "/models/cost", timeout_s=60).status)
+
+    tuner = Tuner(cost_model, CASES, concurrency=4, measure_s=0.5, warmup_requests=4, workroot=workroot,
+                  progress=unregister_once)
+    try:
+        results = tuner.run_rounds([_cand("batch 1", 1), _cand("batch 4", 4, delay=5)], 1)
+    finally:
+        tuner.close()
+    assert unregistered == [200]
+    first, second = results[0].rounds, results[1].rounds
+    assert len(first) == 1 and first[0]["ok"] and "retried_after" not in first[0]
+    assert len(second) == 1 and second[0]["ok"], second
+    assert "unregistering cost" in second[0]["retried_after"] and "404" in second[0]["retried_after"]
+    assert tuner.starts == 1 and tuner.registrations == 1
+    _no_server_left(tmp_path)
