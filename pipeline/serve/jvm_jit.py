@@ -7,7 +7,8 @@ not get. A load measured before then is a figure of the server's first half-minu
 
 Compiler threads are named by HotSpot ("C2 CompilerThread0", "C1 CompilerThre…": /proc truncates
 names to 15 characters); their CPU comes from /proc/<pid>/task/<tid>/stat. None where /proc is not
-readable (not Linux, the JVM gone).
+readable (not Linux, the JVM gone). `process_cpu_s` is the whole JVM's CPU: less the compilers', it is the
+frontend's own request work, which says how much a compiler still busy costs the served rate.
 """
 from __future__ import annotations
 
@@ -39,3 +40,15 @@ def compiler_cpu_s(pid: Optional[int]) -> Optional[float]:
         total += int(fields[11]) + int(fields[12])
         seen = True
     return total / tick if seen else 0.0
+
+
+def process_cpu_s(pid: Optional[int]) -> Optional[float]:
+    """CPU seconds (user + system) the whole process `pid` has used so far; None where unreadable."""
+    if not pid:
+        return None
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / tick

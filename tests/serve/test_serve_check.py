@@ -507,6 +507,7 @@ def test_warmup_waits_for_the_jit_compilers_to_go_quiet(monkeypatch):
     now, compiled = [0.0], [0.0]
     monkeypatch.setattr(sc, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(jvm_jit, "compiler_cpu_s", lambda pid: compiled[0])
+    monkeypatch.setattr(jvm_jit, "process_cpu_s", lambda pid: None)     # the frontend's own work unknown
     busy = iter([0.5, 0.5, 0.3, 0.2, 0.1, 0.02, 0.01, 0.01] + [0.0] * 50)
 
     def window(ts, cases, requests, concurrency, time_cap_s, request_timeout_s):
@@ -533,6 +534,48 @@ def test_warmup_waits_for_the_jit_compilers_to_go_quiet(monkeypatch):
     assert not w["settled"] and w["jit_quiet"] and w["seconds"] == 5.0
 
 
+def test_warmup_of_a_busy_frontend_waits_for_quieter_compilers(monkeypatch):
+    """Issue 29: where the frontend's own request work takes a notable share of the host (a small
+    model at hundreds of requests/s), the compilers must be quieter before the measured load, within
+    WARMUP_BUSY_JIT_EXTENSION x the cap; where the model dominates, the looser rule stands."""
+    import types
+
+    from pipeline.serve import jvm_jit, serve_check as sc
+    from pipeline.serve.load import LoadResult
+    now, compiled, process = [0.0], [0.0], [0.0]
+    monkeypatch.setattr(sc, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(jvm_jit, "compiler_cpu_s", lambda pid: compiled[0])
+    monkeypatch.setattr(jvm_jit, "process_cpu_s", lambda pid: process[0])
+
+    def warm(jit_cores, frontend_cores, cap):
+        now[0] = compiled[0] = process[0] = 0.0
+        jit_it = iter(jit_cores)
+
+        def window(ts, cases, requests, concurrency, time_cap_s, request_timeout_s):
+            now[0] += 1.0
+            c = next(jit_it, 0.0)
+            compiled[0] += c
+            process[0] += c + frontend_cores
+            return LoadResult(0, 16, 16, 16, 0, 0, 0, 1.0, 2.0, 1.5, 60.0, 1.0, concurrency, True)
+        monkeypatch.setattr(sc, "run_load", window)
+        return sc._warmup(types.SimpleNamespace(java_pid=1234), [], 16, cap)
+
+    late_bursts = [0.5, 0.3, 0.2, 0.08, 0.06, 0.07, 0.08, 0.06, 0.07, 0.02, 0.01, 0.02]
+    # A busy frontend (0.2 of a core): 0.06-0.08 is not quiet; the measured load waits for windows 10-12.
+    w = warm(late_bursts, 0.2, 5.0)
+    assert w["frontend_busy"] and w["jit_quiet_cores"] == sc.WARMUP_BUSY_JIT_QUIET_CORES
+    assert w["settled"] and w["jit_quiet"] and w["seconds"] == 12.0
+    assert w["frontend_cores"][-1] == 0.2
+    # The same compilers beside a model that dominates (0.01 of a core of frontend work): 0.1 is quiet,
+    # reached at window 6 (0.08, 0.06, 0.07).
+    w = warm(late_bursts, 0.01, 5.0)
+    assert not w["frontend_busy"] and w["jit_quiet_cores"] == sc.WARMUP_JIT_QUIET_CORES
+    assert w["jit_quiet"] and w["seconds"] == 6.0
+    # A busy frontend whose compilers never go quiet: stopped at the busy rule's extended cap.
+    w = warm([0.5] * 100, 0.2, 5.0)
+    assert not w["jit_quiet"] and w["seconds"] == 5.0 * sc.WARMUP_BUSY_JIT_EXTENSION
+
+
 def test_compiler_cpu_is_none_without_a_jvm_and_zero_without_compiler_threads():
     import os
     import subprocess
@@ -544,3 +587,23 @@ def test_compiler_cpu_is_none_without_a_jvm_and_zero_without_compiler_threads():
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     assert compiler_cpu_s(gone.pid) is None
+
+
+def test_process_cpu_counts_a_busy_process_and_is_none_when_it_is_gone():
+    import subprocess
+    import sys
+    import time
+
+    from pipeline.serve.jvm_jit import process_cpu_s
+    assert process_cpu_s(None) is None
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                             "while time.process_time() - t < 0.5: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while (process_cpu_s(busy.pid) or 0.0) < 0.4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert 0.4 <= process_cpu_s(busy.pid) < 5.0          # its half-second of spinning, from /proc
+    finally:
+        busy.kill()
+        busy.wait()
+    assert process_cpu_s(busy.pid) is None
