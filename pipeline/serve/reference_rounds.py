@@ -32,7 +32,9 @@ def _figures(result: dict, round_no: int) -> dict:
         and not load.get("lost")
     return {"round": round_no, "ok": ok, "ready_s": result.get("ready_s"), "worker_load_ms": result.get("worker_load_ms"),
             "throughput_rps": load.get("throughput_rps"), "p50_ms": load.get("p50_ms"), "p99_ms": load.get("p99_ms"),
-            "batch_sizes_seen": load.get("batch_sizes_seen"), "error": result.get("error")}
+            "batch_sizes_seen": load.get("batch_sizes_seen"), "error": result.get("error"),
+            "warmup_s": (result.get("warmup") or {}).get("seconds"),
+            "load_jit_compiler_cores": result.get("load_jit_compiler_cores")}
 
 
 def _median(rounds: list[dict], key: str) -> Optional[float]:

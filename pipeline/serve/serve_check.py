@@ -88,8 +88,14 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
                          {c["id"]: c["status"] for c in out["bad_inputs"]["cases"]})
             if warmup_s > 0:
                 out["warmup"] = _warmup(ts, cases, concurrency, warmup_s)
-            _record_load(ts, spec, run_load(ts, cases, requests, concurrency, time_cap_s,
-                                            request_timeout_s=max(time_cap_s, ANSWER_WAIT_S)), out)
+            c0 = jvm_jit.compiler_cpu_s(ts.java_pid)
+            load = run_load(ts, cases, requests, concurrency, time_cap_s,
+                            request_timeout_s=max(time_cap_s, ANSWER_WAIT_S))
+            c1 = jvm_jit.compiler_cpu_s(ts.java_pid)
+            # A compiler burst inside the measured load is on the record, not only in the warm-up's.
+            out["load_jit_compiler_cores"] = (round((c1 - c0) / load.wall_s, 3)
+                                              if None not in (c0, c1) and load.wall_s else None)
+            _record_load(ts, spec, load, out)
     except ModelNotReady as e:
         out.update(ready=False, reason=e.reason, error=str(e), startup_timeout_s=e.startup_timeout_s,
                    waited_s=e.waited_s)

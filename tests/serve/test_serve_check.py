@@ -304,6 +304,9 @@ def test_stage_end_to_end_winner_vs_baseline(tmp_path, monkeypatch):
     assert set(refs["setups"]) == {"winner", "baseline"} and refs["ratios_handtuned"] is None
     assert [r["round"] for r in refs["setups"]["winner"]["rounds"]] == [1, 2]
     assert all(r["ok"] for s in refs["setups"].values() for r in s["rounds"])
+    # Each round says how long it warmed and what the compilers took during its measured load.
+    assert all(r["warmup_s"] is not None and r["load_jit_compiler_cores"] >= 0
+               for s in refs["setups"].values() for r in s["rounds"])
     winner, base = refs["setups"]["winner"], refs["setups"]["baseline"]
     assert refs["ratios_baseline"]["throughput"] == round(winner["throughput_rps"] / base["throughput_rps"], 4)
     assert refs["ratios_baseline"]["p99"] == round(winner["p99_ms"] / base["p99_ms"], 4)
