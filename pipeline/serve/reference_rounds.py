@@ -34,7 +34,8 @@ def _figures(result: dict, round_no: int) -> dict:
             "throughput_rps": load.get("throughput_rps"), "p50_ms": load.get("p50_ms"), "p99_ms": load.get("p99_ms"),
             "batch_sizes_seen": load.get("batch_sizes_seen"), "error": result.get("error"),
             "warmup_s": (result.get("warmup") or {}).get("seconds"),
-            "load_jit_compiler_cores": result.get("load_jit_compiler_cores")}
+            "load_jit_compiler_cores": result.get("load_jit_compiler_cores"),
+            "load_discarded": result.get("load_discarded")}
 
 
 def _median(rounds: list[dict], key: str) -> Optional[float]:

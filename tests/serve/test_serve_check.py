@@ -579,6 +579,40 @@ def test_warmup_of_a_busy_frontend_waits_for_quieter_compilers(monkeypatch):
     assert not w["jit_quiet"] and w["seconds"] == 5.0 * sc.WARMUP_BUSY_JIT_EXTENSION
 
 
+def test_a_measured_load_beside_a_compiler_burst_is_measured_again(monkeypatch):
+    """Issue 29: a load during which the JIT compilers took more than the warm-up's quiet share ran
+    beside a late burst, not at the steady state: it is measured once more (once), the first one's
+    figures kept; a quiet load, or one with errors, stands."""
+    import types
+
+    from pipeline.serve import jvm_jit, serve_check as sc
+    from pipeline.serve.load import LoadResult
+    compiled, bursts, rates, errors = [0.0], iter([]), iter([]), [0]
+    monkeypatch.setattr(jvm_jit, "compiler_cpu_s", lambda pid: compiled[0])
+
+    def load(ts, cases, requests, concurrency, time_cap_s, request_timeout_s):
+        compiled[0] += next(bursts) * 5.0
+        return LoadResult(3000, 3000, 3000, 3000, 0, errors[0], 0, 20.0, 40.0, 25.0, next(rates), 5.0, concurrency, False)
+    monkeypatch.setattr(sc, "run_load", load)
+    jvm = types.SimpleNamespace(java_pid=1234)
+    bursts, rates = iter([0.09, 0.01]), iter([577.5, 614.8])
+    measured, jit, discarded = sc._measured_load(jvm, [], 3000, 16, 10.0, 0.03)
+    assert measured.throughput_rps == 614.8 and jit == 0.01
+    assert discarded == {"throughput_rps": 577.5, "p99_ms": 40.0, "jit_compiler_cores": 0.09, "quiet_cores": 0.03}
+    bursts, rates = iter([0.09, 0.09, 0.09]), iter([570.0, 580.0, 590.0])      # measured again once, not more
+    measured, jit, discarded = sc._measured_load(jvm, [], 3000, 16, 10.0, 0.03)
+    assert measured.throughput_rps == 580.0 and jit == 0.09 and discarded["throughput_rps"] == 570.0
+    bursts, rates = iter([0.02]), iter([600.0])                                 # quiet: it stands
+    assert sc._measured_load(jvm, [], 3000, 16, 10.0, 0.03)[1:] == (0.02, None)
+    bursts, rates = iter([0.09]), iter([600.0])                                 # the looser rule: quiet
+    assert sc._measured_load(jvm, [], 3000, 16, 10.0, 0.1)[2] is None
+    errors[0], bursts, rates = 1, iter([0.09]), iter([600.0])                  # a failing load is reported as is
+    assert sc._measured_load(jvm, [], 3000, 16, 10.0, 0.03)[2] is None
+    monkeypatch.setattr(jvm_jit, "compiler_cpu_s", lambda pid: None)           # no JVM figures: it stands
+    errors[0], bursts, rates = 0, iter([0.09]), iter([600.0])
+    assert sc._measured_load(types.SimpleNamespace(java_pid=None), [], 3000, 16, 10.0, 0.03)[1:] == (None, None)
+
+
 def test_compiler_cpu_is_none_without_a_jvm_and_zero_without_compiler_threads():
     import os
     import subprocess
