@@ -179,6 +179,11 @@ def _link_or_copy2(src: str, dst: str, *, follow_symlinks: bool = True) -> str:
     """shutil.copy2's contract, by a hard link to the source's bytes where the filesystem allows."""
     if os.path.isdir(dst):
         dst = os.path.join(dst, os.path.basename(src))
+    if os.path.lexists(dst):
+        # A copy overwrites; a link to the same bytes is already the copy (a folder store packed again).
+        if os.path.exists(dst) and os.path.samefile(src, dst):
+            return dst
+        os.unlink(dst)
     try:
         os.link(os.path.realpath(src), dst)
         return dst

@@ -283,3 +283,23 @@ def test_real_torchserve_serves_the_tensor_archive(tmp_path, tensor_build):
         assert bad.status == 400 and "shape" in bad.json()["error"]
         again = server.api.predict(body.encode(), "application/json")     # the worker survived
         assert again.status == 200
+
+
+def test_linking_copy_overwrites_like_a_copy_and_keeps_a_link_to_the_same_bytes(tmp_path):
+    """A folder store packed again into the same place: the staged file already links to the source
+    (same bytes: kept), or holds other bytes (replaced, as shutil.copy would)."""
+    import os
+
+    from pipeline.serve.archive import _link_or_copy2
+    src, out = tmp_path / "tokenizer.json", tmp_path / "store"
+    src.write_text("new")
+    out.mkdir()
+    assert _link_or_copy2(str(src), str(out)) == str(out / "tokenizer.json")
+    assert _link_or_copy2(str(src), str(out)) == str(out / "tokenizer.json")      # again: no SameFileError
+    assert os.path.samefile(src, out / "tokenizer.json")
+    other = tmp_path / "other.json"
+    other.write_text("old")
+    (out / "tokenizer.json").unlink()
+    os.link(other, out / "tokenizer.json")
+    _link_or_copy2(str(src), str(out))
+    assert (out / "tokenizer.json").read_text() == "new" and other.read_text() == "old"
