@@ -33,13 +33,19 @@ def compiler_cpu_s(pid: Optional[int]) -> Optional[float]:
         try:
             if not (task / "comm").read_text().startswith(COMPILER_PREFIXES):
                 continue
-            # Fields after the parenthesised name: state is 3rd, utime 14th, stime 15th of the whole line.
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            ticks = _stat_ticks(task / "stat")
         except OSError:
             continue               # a compiler thread may end between the listing and the read
-        total += int(fields[11]) + int(fields[12])
+        total += ticks
         seen = True
     return total / tick if seen else 0.0
+
+
+def _stat_ticks(stat: Path) -> int:
+    """utime + stime, in clock ticks, of a /proc .../stat file (raises OSError where unreadable)."""
+    # Fields after the parenthesised name: state is 3rd, utime 14th, stime 15th of the whole line.
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
 
 
 def process_cpu_s(pid: Optional[int]) -> Optional[float]:
@@ -48,7 +54,6 @@ def process_cpu_s(pid: Optional[int]) -> Optional[float]:
         return None
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return _stat_ticks(Path(f"/proc/{pid}/stat")) / tick
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / tick
