@@ -21,7 +21,7 @@ import logging
 import sys
 from typing import Optional
 
-from pipeline.core.params import ParamsError, as_dict, load_params
+from pipeline.core.params import ParamsError, as_dict, load_concurrency, load_params
 from pipeline.core.paths import (BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SCRATCH_DIR, SERVE_CHECK_JSON,
                                  SERVE_DIR, benchmark_json, variant_dir)
 from pipeline.core.numbers import rounded
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         alternate = next((spec for f, spec in forms.items() if f != form), None)
         record = serve_check(forms[form], pack_references, cases, task=params.model.task,
                              atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,
-                             concurrency=sc.concurrency, time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s,
+                             concurrency=load_concurrency(params)[0], time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s,
                              alternate=alternate,
                              store_form=form, startup=startup_evidence(derivation))
         if packing_error:
@@ -201,18 +201,19 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases, handtu
                                       answer=served_size_answer([c.expected for c in cases]))
         specs[CEILING_EMPTY] = ceiling_spec(name, SERVE_DIR / "model-config.yaml", winner.config, env=winner.env)
     earlier = model_alone_before(name)
+    clients, clients_from = load_concurrency(params)
     setups = interleaved_rounds(specs, cases, task=params.model.task, rounds=sc.rounds, requests=sc.requests,
-                                concurrency=sc.concurrency, time_cap_s=sc.time_cap_s,
+                                concurrency=clients, time_cap_s=sc.time_cap_s,
                                 slo_ms=params.serve.latency_slo_ms, first_round=first,
                                 decided_band=sc.decided_band, warmup_s=sc.warmup_s,
                                 uncompared=frozenset({CEILING, CEILING_EMPTY}))
     out = {"rounds": sc.rounds, "decided_band": sc.decided_band,
-           "rounds_served": {n: len(s_["rounds"]) for n, s_ in setups.items()}, "concurrency": sc.concurrency, "latency_slo_ms": params.serve.latency_slo_ms,
+           "rounds_served": {n: len(s_["rounds"]) for n, s_ in setups.items()}, "concurrency": clients, "concurrency_from": clients_from, "latency_slo_ms": params.serve.latency_slo_ms,
            "handtuned_setup": handtuned,
            "setups": setups,
            "ratios_handtuned": ratios(setups["winner"], setups["handtuned"]) if "handtuned" in setups else None,
            "ratios_baseline": ratios(setups["winner"], setups["baseline"]) if "baseline" in setups else None}
-    out["load"] = {"clients": sc.concurrency, "connections": "keep-alive, one per client (as production clients hold them)",
+    out["load"] = {"clients": clients, "clients_from": clients_from, "connections": "keep-alive, one per client (as production clients hold them)",
                    "client": LOAD_KIND, "warmup_s": sc.warmup_s, "requests": sc.requests, "time_cap_s": sc.time_cap_s,
                    "bodies": "the golden HTTP cases, cycled (the task's example requests)"}
     out["bound"] = bound_of(name, setups, cases, earlier)

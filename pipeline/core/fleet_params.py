@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
-from pipeline.core.params_typed import bad_value
+from pipeline.core.params_typed import Problem
 
 
 @dataclass(frozen=True)
@@ -51,24 +51,16 @@ class FleetParams:
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-.]*")
 
 
-def check_fleet(fleet: FleetParams) -> None:
-    """Raises ParamsError naming the first invalid value and what is allowed."""
+def check_fleet(fleet: FleetParams) -> Iterator[Problem]:
+    """Every invalid value, each naming what is allowed (the numeric ranges: params_checks.RANGES)."""
     names = [t.name for t in fleet.targets]
     for i, t in enumerate(fleet.targets):
         key = f"fleet.targets[{i}]"
         if not _NAME.fullmatch(t.name):
-            raise bad_value(f"{key}.name", t.name, "letters, digits, '_', '-', '.', starting with a letter or digit")
+            yield Problem(f"{key}.name", t.name, "letters, digits, '_', '-', '.', starting with a letter or digit")
         if t.name in names[:i]:
-            raise bad_value(f"{key}.name", t.name, "a name no other target has")
-        r = t.requires
-        for sub, value in (("gpu_memory_mb", r.gpu_memory_mb), ("memory_mb", r.memory_mb), ("cpus", r.cpus)):
-            if value is not None and value < 1:
-                raise bad_value(f"{key}.requires.{sub}", value, "null or a positive integer")
-        if r.gpu_memory_mb is not None and not r.gpu:
-            raise bad_value(f"{key}.requires.gpu", r.gpu, "a GPU name (e.g. H100) when gpu_memory_mb is set")
-        if any(v <= 0 for v in t.ray.resources.values()):
-            raise bad_value(f"{key}.ray.resources", t.ray.resources, "positive amounts")
+            yield Problem(f"{key}.name", t.name, "a name no other target has")
+        if t.requires.gpu_memory_mb is not None and not t.requires.gpu:
+            yield Problem(f"{key}.requires.gpu", t.requires.gpu, "a GPU name (e.g. H100) when gpu_memory_mb is set")
         if t.ray.label_selector and t.ray.resources:
-            raise bad_value(f"{key}.ray", "label_selector and resources", "one of them (or neither: the defaults)")
-    if fleet.schedule_timeout_s <= 0:
-        raise bad_value("fleet.schedule_timeout_s", fleet.schedule_timeout_s, "seconds > 0")
+            yield Problem(f"{key}.ray", "label_selector and resources", "one of them (or neither: the defaults)")

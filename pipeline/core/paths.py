@@ -9,6 +9,7 @@ ARTIFACTS = REPO_ROOT / "artifacts"
 METRICS = REPO_ROOT / "metrics"
 REPORTS = REPO_ROOT / "reports"
 
+CHECKPOINT_JSON = ARTIFACTS / "checkpoint.json"      # checkpoint: the checkpoint's files and their sha256
 ENV_JSON = ARTIFACTS / "env.json"                    # probe: hardware + library fingerprint
 TARGET_JSON = ARTIFACTS / "target.json"              # probe: the fleet target this run is for ($PIPELINE_TARGET)
 GOLDEN_DIR = ARTIFACTS / "golden"                    # prepare: inputs + eager fp32 reference outputs

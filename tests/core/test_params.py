@@ -1,4 +1,5 @@
-"""params.yaml validation: every mistake is one clear error naming the key, the value and what is allowed."""
+"""params.yaml validation: every mistake named at once, each with the key, the value and what is allowed.
+The table of mistakes of each kind: tests/core/test_params_table.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -88,12 +89,12 @@ def test_missing_required_key():
 
 def test_cross_field_rules():
     data = params_with()
-    data["model"].update(source="state_dict")
-    assert "`model.factory` is required" in error_of(data)
+    data["model"].update(source="state_dict", task="tensor", input_shape=[4])
+    assert "`model.factory` is missing: required when `model.source` is 'state_dict'" in error_of(data)
 
     data = params_with()
     data["model"].update(task="tensor")
-    assert "`model.input_shape` is required" in error_of(data)
+    assert "`model.input_shape` is missing: required" in error_of(data)
 
     data = params_with()
     data["model"].update(task="tensor", input_shape=[16, 0])
@@ -109,14 +110,35 @@ def test_cross_field_rules():
     assert "`model.factory`" in error_of(params_with(model={**MODEL, "source": "state_dict", "factory": "nocolon"}))
 
 
-def test_several_mistakes_name_the_same_one_first():
-    """The cross-field checks run in a fixed order and the first failing one is reported."""
+def test_several_mistakes_are_all_named_in_a_fixed_order():
+    """One run names every mistake, in the same order every time (the checks' order, then the keys')."""
     bad_name = {**MODEL, "name": "-m"}
     assert "`model.name`" in error_of(params_with(model=bad_name))
     both = error_of(params_with(model=bad_name, benchmark={"batch_sizes": [4, 2]}, tune={"rounds": 0}))
-    assert "`benchmark.batch_sizes`" in both and "model.name" not in both
-    assert "`tune.rounds`" in error_of(params_with(model=bad_name, tune={"rounds": 0}))
-    assert "`variants`" in error_of(params_with(variants=["onnx"], benchmark={"batch_sizes": [4, 2]}))
+    assert both.startswith("params.yaml: 3 problems, nothing was run:\n"), both
+    lines = both.splitlines()[1:]
+    assert [next(k for k in ("model.name", "tune.rounds", "benchmark.batch_sizes") if f"`{k}`" in line)
+            for line in lines] == ["model.name", "tune.rounds", "benchmark.batch_sizes"], both
+    assert both == error_of(params_with(model=bad_name, benchmark={"batch_sizes": [4, 2]}, tune={"rounds": 0}))
+
+
+def test_type_errors_and_rules_are_reported_together():
+    """A wrong type does not hide the other sections' rules (its own section is not judged on a stand-in)."""
+    data = params_with(serve={"overrides": {"workers": 0}}, tune={"rounds": "two"})
+    data["model"]["task"] = "text-embeding"
+    msg = error_of(data)
+    assert "3 problems" in msg and "did you mean 'text-embedding'?" in msg
+    assert "`serve.overrides.workers` = 0" in msg and "`tune.rounds` = 'two'" in msg
+
+
+def test_the_message_names_the_file_it_came_from(tmp_path, monkeypatch):
+    other = tmp_path / "exp.yaml"
+    other.write_text(yaml.safe_dump(params_with(serve={"memory_budget_mb": -1})))
+    with pytest.raises(ParamsError) as info:
+        load_params(other)
+    assert str(info.value).startswith(f"{other}: `serve.memory_budget_mb` = -1.0 is invalid"), str(info.value)
+    monkeypatch.setenv("PIPELINE_PARAMS", "examples/tensor/params.yaml")
+    assert load_params().model.task == "tensor"
 
 
 def test_defaults_fill_in():
@@ -182,8 +204,9 @@ def test_image_preprocessing_params_that_hold():
           {"crop_size": [32, 48], "rescale_factor": 1.0, "mean": 0.0, "std": 1.0}]
     for image in ok:
         parse_params({"model": {**IMAGE_MODEL, "image": image}})
-    # Another task does not read model.image: its values are not judged.
-    parse_params({"model": {**MODEL, "image": {"resize_shortest_edge": 256}}})
+    # Another task does not read model.image: a value there would be silently ignored, so it is refused.
+    msg = error_of({"model": {**MODEL, "image": {"resize_shortest_edge": 256}}})
+    assert "`model.image`" in msg and "only image-classification reads it" in msg
 
 
 def test_slo_above_the_benchmark_latency_cap_is_refused():

@@ -7,6 +7,8 @@ import shutil
 
 import numpy as np
 import pytest
+
+from pipeline.core.params import ParamsError
 import torch
 from safetensors.torch import save_file
 
@@ -292,9 +294,10 @@ def test_hf_folder_problems(tmp_path, make_params, tiny_text_model_dir):
     with pytest.raises(CheckpointError, match="no model.safetensors or pytorch_model.bin"):
         load_model(params)
 
-    with pytest.raises(CheckpointError, match="needs `model.source: hf`"):
-        load_model(make_params({"name": "t", "source": "torchscript", "checkpoint": str(folder / "config.json"),
-                                "task": "text-embedding"}))
+    # A text task from another source is refused by params validation, before any loading.
+    with pytest.raises(ParamsError, match="`model.source` = 'torchscript' is invalid; allowed: 'hf' for task"):
+        make_params({"name": "t", "source": "torchscript", "checkpoint": str(folder / "config.json"),
+                     "task": "text-embedding"})
 
 
 # --------------------------------------------------------------------------- real models

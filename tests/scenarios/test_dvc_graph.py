@@ -186,6 +186,7 @@ def test_every_declared_param_is_in_params_yaml(params_file):
 # Modules every stage imports that hold no computation of its outputs: declaring them would re-run
 # the whole pipeline for a docstring in params validation or a path constant.
 INFRASTRUCTURE = {"pipeline/core/params.py", "pipeline/core/params_typed.py", "pipeline/core/params_checks.py",
+                  "pipeline/core/params_schema.py",
                   "pipeline/core/fleet_params.py", "pipeline/core/paths.py", "pipeline/core/stage_record.py",
                   "pipeline/core/disk.py"}
 
