@@ -1,6 +1,6 @@
 """checkpoint: every setting checked before any work, and the checkpoint's files as a DVC input.
 
-    python -m stages.checkpoint
+    python -m stages.checkpoint [--root DIR]
 
 Collects every problem of params.yaml at once (types, ranges, rules across fields, and the files it
 points at: the checkpoint exists, is of the source's form and has the task's head; the factory and
@@ -11,21 +11,31 @@ and everything after it, and an unchanged one re-runs nothing.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import os
 import sys
 import time
+from pathlib import Path
 
-from pipeline.core.params import ParamsError, params_and_problems, read_params_file
+from pipeline.core.params import REPO_ROOT, ParamsError, params_and_problems, read_params_file
 from pipeline.core.paths import CHECKPOINT_JSON
 
 log = logging.getLogger("stages.checkpoint")
 
 
 def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default=str(REPO_ROOT),
+                        help="the tree whose params.yaml is read and artifacts/checkpoint.json written (default: this repo)")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    root = Path(args.root).resolve()
+    out = CHECKPOINT_JSON if root == REPO_ROOT else root / CHECKPOINT_JSON.relative_to(REPO_ROOT)
     try:
-        data, source = read_params_file()
+        data, source = read_params_file(None if os.environ.get("PIPELINE_PARAMS") or root == REPO_ROOT
+                                        else root / "params.yaml")
     except ParamsError as e:
         print(f"checkpoint: error: {e}", file=sys.stderr)
         return 2
@@ -40,9 +50,9 @@ def main(argv=None) -> int:
     cache = HashCache.default()
     record = fingerprint(params, cache)
     text = json.dumps(record, indent=2) + "\n"
-    CHECKPOINT_JSON.parent.mkdir(parents=True, exist_ok=True)
-    if not CHECKPOINT_JSON.exists() or CHECKPOINT_JSON.read_text() != text:    # mtime stable when unchanged
-        CHECKPOINT_JSON.write_text(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.exists() or out.read_text() != text:        # mtime stable when unchanged
+        out.write_text(text)
     files = sum(len(v) for v in record.values() if isinstance(v, list))
     log.info("%s: %d files, %.1f MB (%.1f MB hashed, the rest unchanged since hashed) in %.2f s; params valid",
              params.model.checkpoint, files, record["total_bytes"] / 1e6, cache.hashed_bytes / 1e6,

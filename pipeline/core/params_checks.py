@@ -346,7 +346,6 @@ def check_semantics(p: Params) -> list[Problem]:
 
 def schema_numeric_patterns() -> set[str]:
     """Every numeric field's pattern in the schema (the table test compares it with RANGES | CUSTOM)."""
-    import pipeline.core.params_schema as schema
     out = set()
 
     def numeric(tp: Any) -> bool:
@@ -355,7 +354,7 @@ def schema_numeric_patterns() -> set[str]:
                                                            for a in args)
 
     def walk(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls, vars(schema))
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             key, tp = f"{prefix}.{f.name}" if prefix else f.name, hints[f.name]
             origin = typing.get_origin(tp)

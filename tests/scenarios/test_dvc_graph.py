@@ -21,6 +21,7 @@ import yaml
 from pipeline.core.params import REPO_ROOT
 
 BIN = Path(sys.executable).parent
+ALWAYS = {"probe", "checkpoint"}                                           # always_changed stages
 UPSTREAM = ("probe", "prepare", "convert", "benchmark")                   # must survive a serve.* change
 SERVE_CHAIN = ("select", "configure", "tune", "archive", "serve_check", "report", "kserve")
 
@@ -74,8 +75,9 @@ with open("ran.log", "a") as f:
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DVC_")}
-    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com",
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DVC_") and k != "PIPELINE_PARAMS"}
+    env.update(PIPELINE_HASH_CACHE=str(Path(os.environ.get("TMPDIR", "/tmp")) / f"graph-hashes-{os.getpid()}"),
+               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com",
                GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com", DVC_NO_ANALYTICS="1")
     return env
 
@@ -104,6 +106,7 @@ def graph_repo(tmp_path_factory):
     dvc_yaml = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())
     params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
     params["variants"] = ["eager", "onnx"]          # two are enough to see foreach behave; faster
+    params["model"]["checkpoint"] = str(make_checkpoint(checkpoint_of(repo)))
 
     outs: set[str] = set()
     deps: set[str] = set()
@@ -115,6 +118,8 @@ def graph_repo(tmp_path_factory):
                 outs.update(_entries(body.get(kind), item))
             deps.update(_entries(body.get("deps"), item))
         body["cmd"] = f"python fake_stage.py {name}" + (" ${item}" if "foreach" in spec else "")
+    # The real first stage: it reads the checkpoint's files, which no faked command would
+    dvc_yaml["stages"]["checkpoint"]["cmd"] = f"PYTHONPATH={REPO_ROOT} python {REPO_ROOT}/stages/checkpoint.py --root . && echo checkpoint >> ran.log"
     for dep in sorted(deps):
         if _covered(dep, outs):
             continue
@@ -141,6 +146,20 @@ def graph_repo(tmp_path_factory):
     sh(["git", "add", "-A"], repo)
     sh(["git", "commit", "-q", "-m", "reproduced"], repo)
     return repo, set(dvc_yaml["stages"])
+
+
+def checkpoint_of(repo: Path) -> Path:
+    return repo.parent / f"{repo.name}-checkpoint"
+
+
+def make_checkpoint(folder: Path) -> Path:
+    """A Hugging Face folder as the file checks see it (config, weights, tokenizer, a pooling module)."""
+    (folder / "1_Pooling").mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    (folder / "model.safetensors").write_bytes(b"trained-once" * 4096)
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "1_Pooling" / "config.json").write_text("{}")
+    return folder
 
 
 def ran_stages(repo: Path) -> list[str]:
@@ -241,10 +260,11 @@ def test_serve_change_reruns_only_the_serving_chain(graph_repo):
     repo, stages = graph_repo
     ran = exp_run(repo, "serve.latency_slo_ms=50")
     bases = {r.split("@")[0] for r in ran}
-    # probe is always_changed by design (its output only changes with the machine); nothing it feeds re-ran.
-    assert not (bases - {"probe"}) & set(UPSTREAM), f"a serve.* change re-ran upstream stages: {sorted(ran)}"
+    # probe and checkpoint are always_changed by design (their outputs change only with the machine or
+    # the checkpoint's bytes); nothing they feed re-ran.
+    assert not (bases - ALWAYS) & set(UPSTREAM), f"a serve.* change re-ran upstream stages: {sorted(ran)}"
     expected = set(SERVE_CHAIN) & stages
-    assert bases - {"probe"} == expected, f"ran {sorted(ran)}, expected {sorted(expected)}"
+    assert bases - ALWAYS == expected, f"ran {sorted(ran)}, expected {sorted(expected)}"
 
     # The experiment is visible in `dvc exp show` with the params and the summary metrics.
     shown = json.loads(sh([str(BIN / "dvc"), "exp", "show", "--json"], repo))
@@ -256,7 +276,8 @@ def test_serve_change_reruns_only_the_serving_chain(graph_repo):
 
 def test_benchmark_setting_reruns_benchmarks_not_conversions(graph_repo):
     repo, stages = graph_repo
-    ran = exp_run(repo, "benchmark.cold_runs=2")
+    # a key params.yaml does not write out (its default in the schema) is added with `+`, as DVC asks
+    ran = exp_run(repo, "+benchmark.cold_runs=2")
     assert {"benchmark@eager", "benchmark@onnx"} <= ran, sorted(ran)
     assert not {r for r in ran if r.split("@")[0] in ("prepare", "convert")}, sorted(ran)
 
@@ -267,3 +288,27 @@ def test_adding_a_variant_converts_only_that_variant(graph_repo):
     assert {"convert@torchscript", "benchmark@torchscript"} <= ran, sorted(ran)
     assert not ran & {"convert@eager", "convert@onnx", "benchmark@eager", "benchmark@onnx", "prepare"}, sorted(ran)
     assert "select" in ran
+
+
+def repro(repo: Path) -> set[str]:
+    ran_stages(repo)
+    sh([str(BIN / "dvc"), "repro"], repo)
+    return {r.split("@")[0] for r in ran_stages(repo)}
+
+
+def test_a_retrained_checkpoint_rebuilds_everything_an_unchanged_one_nothing(graph_repo):
+    """The checkpoint's files are an input: weights overwritten in place re-run prepare and all after
+    it (the new .mar holds the new model); untouched or only touched, nothing runs past the first stages."""
+    repo, stages = graph_repo
+    always = ALWAYS                                           # always_changed; their outputs did not change
+    assert repro(repo) <= always
+    weights = checkpoint_of(repo) / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))   # touched: same bytes
+    assert repro(repo) <= always
+    weights.write_bytes(b"trained-twice" * 4096)              # retrained into the same folder
+    ran = repro(repo)
+    assert ran >= {"prepare", "convert", "benchmark", "select", "configure", "archive", "serve_check", "report"} & stages, ran
+    assert repro(repo) <= always
+    sh(["git", "add", "-A"], repo)
+    sh(["git", "commit", "-q", "-m", "retrained"], repo)
