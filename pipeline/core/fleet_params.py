@@ -27,20 +27,20 @@ class Requires:
 class RayPlacement:
     """How Ray finds the target's nodes. Empty: a node labelled `target=<name>`, else one offering
     the custom resource `target:<name>` (docs/fleet.md)."""
-    label_selector: dict[str, str] = field(default_factory=dict)
-    resources: dict[str, float] = field(default_factory=dict)
+    label_selector: dict[str, str] = field(default_factory=dict)   # Ray node labels the target's nodes carry
+    resources: dict[str, float] = field(default_factory=dict)      # or: custom Ray resources they offer
 
 
 @dataclass(frozen=True)
 class Target:
-    name: str
+    name: str                                  # the target's name (Ray label target=<name>, its figures in the fleet report)
     requires: Requires = field(default_factory=Requires)
     ray: RayPlacement = field(default_factory=RayPlacement)
 
 
 @dataclass(frozen=True)
 class FleetParams:
-    targets: list[Target] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)          # the hardware classes to build for
     # A Ray task no node can take waits forever: past this, the target is reported unschedulable.
     # Long enough for an autoscaler (KubeRay minReplicas 0) to bring a node up.
     schedule_timeout_s: float = 600.0

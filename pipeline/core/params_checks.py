@@ -102,7 +102,7 @@ RANGES: dict[str, Range] = {
     "benchmark.min_iters": at_least(1),
     "benchmark.min_duration_s": seconds(False),
     "benchmark.point_max_s": seconds(False, "0: every point takes min_iters calls"),
-    "benchmark.max_cv": positive("ratio", "e.g. 0.15"),
+    "benchmark.max_cv": Range(lo=0, lo_open=True, allowed="a positive ratio, e.g. 0.15"),
     "benchmark.min_gain": non_negative("a ratio"),
     "benchmark.sweep_patience": at_least(1),
     "benchmark.latency_cap_ms": positive("milliseconds"),

@@ -21,24 +21,25 @@ PKG_PREFIX = "pkg:"
 # --------------------------------------------------------------------------- schema
 @dataclass(frozen=True)
 class TextParams:
+    """Text tasks: how requests' texts are tokenized and how many one request may carry."""
     max_length: int = 128          # tokens; longer texts are truncated, shorter padded to the batch's longest
-    # (token-classification refuses a longer text with 413 instead: its offsets must cover the whole text)
+                                   # (token-classification refuses a longer text with 413: its offsets cover it all)
     max_texts: int = 64            # texts (rows) one request may carry: a rerank query's candidates, a list to embed
 
 
 @dataclass(frozen=True)
 class ImageParams:
-    # How a request's image becomes the model's input, with the semantics of transformers' image
-    # processors (handlers/task_image.py): resize, centre crop, rescale, normalize per RGB channel.
-    # An hf folder's preprocessor_config.json says it instead: these seven keys then stay unset.
+    """How a request's image becomes the model's input, with the semantics of transformers' image
+    processors (handlers/task_image.py): resize, centre crop, rescale, normalize per RGB channel.
+    An hf folder's preprocessor_config.json says it instead: the seven preprocessing keys then stay unset."""
     size: Optional[int | list[int]] = None     # resize to exactly size x size, or [height, width] (aspect not kept);
                                                # 224 when neither this, resize_shortest_edge nor crop_size is set
     resize_shortest_edge: Optional[int] = None  # or: the shorter side to this, aspect kept (needs crop_size)
     crop_size: Optional[int | list[int]] = None  # centre crop after the resize: N x N or [height, width]
     resample: Optional[Literal["nearest", "lanczos", "bilinear", "bicubic", "box", "hamming"]] = None   # bilinear
     rescale_factor: Optional[float] = None     # pixels (0..255) x this first, e.g. 0.00392156862745098 (1/255); null: x 1
-    mean: Optional[float | list[float]] = None  # input = (pixel - mean) / std, per channel [R, G, B] or one number;
-    std: Optional[float | list[float]] = None   # null: 127 and 128 (pixels on the 0..255 scale)
+    mean: Optional[float | list[float]] = None  # input = (pixel - mean) / std, per channel [R, G, B] or one number; null: 127
+    std: Optional[float | list[float]] = None   # see mean; null: 128 (pixels on the 0..255 scale)
     top_k: int = 5                             # labels per answer unless the request says (parameters.top_k)
     labels: Optional[str] = None   # JSON list of class names (pkg:/relative/absolute); hf: config.json id2label; else LABEL_<i>
     function_to_apply: Optional[Literal["softmax", "sigmoid", "none"]] = None   # null: as transformers chooses
@@ -47,6 +48,7 @@ class ImageParams:
 
 @dataclass(frozen=True)
 class ModelParams:
+    """The checkpoint and what it computes."""
     name: str                                  # the served model's name: <name>.mar, /predictions/<name>
     # hf: a Hugging Face folder (config.json, weights, tokenizer); state_dict: a weights file + model.factory;
     # torchscript: a torch.jit.save file
@@ -67,20 +69,20 @@ class ModelParams:
 
 @dataclass(frozen=True)
 class Tolerance:
-    atol: float
-    rtol: float
-    min_cosine: float
+    atol: float                                # absolute tolerance per element
+    rtol: float                                # relative tolerance per element (x |reference|)
+    min_cosine: float                          # every sample's cosine to the reference at least this
     # gate 'elementwise' (the float dtypes): every element within atol + rtol*|ref|, every sample's
     # cosine >= min_cosine. gate 'task' (int8): judged in the task's language (pipeline/accuracy/task_gate.py):
     # text-embedding: per-sample cosine >= min_cosine AND recall@k of the reference's nearest
     # neighbours >= min_recall_at_k; image-classification: top-1 agreement >= min_top1_agreement AND
     # mean top-k overlap >= min_topk_overlap; tensor: atol/rtol/cosine as 'elementwise'.
     gate: Literal["elementwise", "task"] = "elementwise"
-    min_recall_at_k: float = 0.95
+    min_recall_at_k: float = 0.95              # text-embedding, gate task: recall@k of the reference's nearest neighbours
     recall_k: int = 10                         # k = min(recall_k, (samples - 1) // 4): small golden sets get a smaller k
-    min_top1_agreement: float = 0.97
-    min_topk_overlap: float = 0.8
-    topk: int = 5
+    min_top1_agreement: float = 0.97           # classification, gate task: share of samples with the reference's top-1
+    min_topk_overlap: float = 0.8              # ...and mean overlap of the top-k labels
+    topk: int = 5                              # ...with this k
     min_ndcg: float = 0.95                     # rerank: NDCG@10 of the variant's order vs eager's (task_gate_text)
     min_entity_f1: float = 0.95                # token-classification: entity F1 vs eager's, exact span + type
 
@@ -96,6 +98,7 @@ def _default_tolerances() -> dict:
 
 @dataclass(frozen=True)
 class Int8Params:
+    """The int8 variants: calibration and the sensitivity fallback."""
     calibration: Literal["minmax", "entropy", "percentile"] = "minmax"   # onnx-int8-static's range method
     calibration_samples: int = 64              # representative requests (task's example distribution, own seed)
     per_channel: bool = True                   # per-output-channel weight scales
@@ -110,8 +113,9 @@ class Int8Params:
 
 @dataclass(frozen=True)
 class ConversionParams:
+    """Building the variants and checking each against eager's outputs."""
     timeout_s: int = 900                       # per variant, its own process
-    onnx_opset: int = 18
+    onnx_opset: int = 18                       # the ONNX opset the ONNX variants are exported with
     # ONNX variants of a model with at least this many MB of fp32 weights keep them in model.onnx.data:
     # required from 2 GB (protobuf), and faster to load well before (mapped, not parsed; docs/big-models.md).
     onnx_external_data_mb: float = 256.0
@@ -121,9 +125,9 @@ class ConversionParams:
     # Attention fused (MultiHeadAttention) on the exported graph before ORT optimises it, kept only when its
     # outputs equal the export's (pipeline/build/variants/fusion.py): fewer nodes, a faster session setup.
     onnx_fusions: bool = True
-    tolerances: dict[str, Tolerance] = field(default_factory=_default_tolerances)
+    tolerances: dict[str, Tolerance] = field(default_factory=_default_tolerances)   # per dtype (float32, float16, bfloat16, int8)
     min_topk_agreement: float = 0.99           # classification: share of samples whose top-1 matches
-    golden_seed: int = 0
+    golden_seed: int = 0                       # the golden inputs are generated from this seed
     golden_batches: int = 3                    # distinct batches per verified batch size
     screen: bool = True                        # screen each variant's batch-1 call against eager's (pipeline/build/plan.py)
     screen_max_slowdown: float = 4.0           # ...and skip it when that call is more than this many times slower
@@ -133,8 +137,9 @@ class ConversionParams:
 
 @dataclass(frozen=True)
 class BenchmarkParams:
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    """Measuring every variant on the target device: cold loads in fresh processes, latency and throughput per batch size."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"   # where to measure and serve; auto: the GPU when there is one
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])   # the sizes measured, increasing
     threads: int = 0                           # intra-op threads; 0 → what one serving worker gets
     cold_runs: int = 5                         # fresh processes per variant (at least steady_runs)
     # Steady state is measured in this many of those processes, spread over the benchmark: a figure
@@ -181,43 +186,45 @@ class BenchmarkParams:
 
 @dataclass(frozen=True)
 class ServeOverrides:
+    """Replace a setting the pipeline derives (artifacts/serve/derivation.json names them); null: derived."""
     batch_size: Optional[int] = None           # TorchServe's batchSize: requests
     batch_rows: Optional[int] = None           # rows per model call (a rerank request is many rows)
-    max_batch_delay_ms: Optional[int] = None
-    workers: Optional[int] = None
-    threads_per_worker: Optional[int] = None
-    startup_timeout_s: Optional[int] = None
-    response_timeout_s: Optional[int] = None
-    job_queue_size: Optional[int] = None
-    max_request_size: Optional[int] = None
-    max_response_size: Optional[int] = None
+    max_batch_delay_ms: Optional[int] = None   # TorchServe's maxBatchDelay: how long a batch waits to fill
+    workers: Optional[int] = None              # worker processes (minWorkers = maxWorkers)
+    threads_per_worker: Optional[int] = None   # intra-op threads of each worker
+    startup_timeout_s: Optional[int] = None    # startupTimeout: a worker not READY by then is killed
+    response_timeout_s: Optional[int] = None   # responseTimeout: a batch not answered by then fails
+    job_queue_size: Optional[int] = None       # requests queued before TorchServe answers 503
+    max_request_size: Optional[int] = None     # bytes of one request body
+    max_response_size: Optional[int] = None    # bytes of one response body
     store_form: Optional[Literal["mar", "folder"]] = None     # how the model sits in the model store
 
 
 @dataclass(frozen=True)
 class ServeParams:
+    """The constraints the winner is chosen under and how its TorchServe configuration is derived."""
     latency_slo_ms: float = 200.0              # p99 per request, batching delay included
-    objective: Literal["throughput", "latency", "cold_load"] = "throughput"
-    require_slo: bool = False
+    objective: Literal["throughput", "latency", "cold_load"] = "throughput"   # what the winner maximises / minimises
+    require_slo: bool = False                  # true: fail the build when no variant meets the SLO and the budgets
     # Exact by default: an int8 variant (its answers move beyond the float tolerances) is served only
     # when the user accepts it; otherwise the decision shows what it would give and this opt-in line.
     allow_quantized: bool = False
     memory_budget_mb: float = 4096.0           # per worker
-    max_cold_load_s: Optional[float] = None
+    max_cold_load_s: Optional[float] = None    # a variant whose worst cold load passes this is not chosen; null: no limit
     # Disk the deployment host reads the artifact from; null: the read speed measured here (page cache).
     # A slower disk adds artifact MB / this to startupTimeout (the report shows 200 MB/s either way).
     target_disk_read_mb_s: Optional[float] = None
     # Artifacts at least this big are served from an unpacked folder in the model store instead of the
     # .mar TorchServe copies out of its archive at every start (the .mar is published either way).
     folder_store_min_mb: float = 500.0
-    platform: Literal["linux", "windows"] = "linux"
-    bind_address: str = "127.0.0.1"
+    platform: Literal["linux", "windows"] = "linux"    # the deployment host's OS (paths and the start command)
+    bind_address: str = "127.0.0.1"            # every TorchServe listener binds here (loopback unless you open it)
     model_store: Optional[str] = None          # path on the deployment host; None → artifacts/model_store
-    startup_safety: float = 3.0
-    startup_margin_s: float = 10.0
-    startup_floor_s: int = 30
-    response_safety: float = 5.0
-    response_floor_s: int = 5
+    startup_safety: float = 3.0                # startupTimeout = max(floor, worst cold load x this + margin [+ disk read])
+    startup_margin_s: float = 10.0             # ...the margin added
+    startup_floor_s: int = 30                  # ...and its floor
+    response_safety: float = 5.0               # responseTimeout = max(floor, (p99 of a batch x this + maxBatchDelay))
+    response_floor_s: int = 5                  # ...and its floor
     expected_concurrency: int = 16             # requests in flight in production: batchSize <= this // workers
     min_batch_gain: float = 0.05               # a bigger batch must add this much throughput (or more than the noise)
     noise_floor: float = 0.03                  # smallest relative difference ever treated as real (ties below)
@@ -225,9 +232,9 @@ class ServeParams:
     worker_import_s: float = 1.3               # TorchServe's own worker imports torch before any handler code
     memory_share: float = 0.8                  # share of host / GPU memory the workers may fill together
     max_workers_per_gpu: int = 2               # more processes per GPU only time-slice the same device
-    inference_port: int = 8080
-    management_port: int = 8081
-    metrics_port: int = 8082
+    inference_port: int = 8080                 # the deployed server's ports (the checks here use free ports)
+    management_port: int = 8081                # ...management API
+    metrics_port: int = 8082                   # ...metrics API
     overrides: ServeOverrides = field(default_factory=ServeOverrides)
 
 
@@ -246,6 +253,7 @@ class TuneParams:
 
 @dataclass(frozen=True)
 class ServeCheckParams:
+    """The proof in a real TorchServe: parity, bad input, and the winner against the hand-tuned and naive setups under load."""
     requests: int = 3000                       # measured requests per setup and round (after the warm-up)...
     # keep-alive clients of the measured load; null: serve.expected_concurrency, the load tune chose for
     concurrency: Optional[int] = None
@@ -266,18 +274,19 @@ class ServeCheckParams:
     # clients against the winner, its rows/s against the model's own offline rows/s at the batches
     # the server formed (metrics/serve_check.json `rerank_load`; pipeline/serve/rerank_load.py).
     rerank_texts: int = 20
-    rerank_clients: int = 4
+    rerank_clients: int = 4                    # see rerank_texts
 
 
 @dataclass(frozen=True)
 class PublishParams:
+    """Where the built artifacts go."""
     kserve_storage_uri: Optional[str] = None   # storageUri written into artifacts/kserve/inferenceservice.yaml; None → placeholder
 
 
 @dataclass(frozen=True)
 class Params:
     model: ModelParams
-    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))   # the conversions built and compared; eager is the reference
     conversion: ConversionParams = field(default_factory=ConversionParams)
     benchmark: BenchmarkParams = field(default_factory=BenchmarkParams)
     serve: ServeParams = field(default_factory=ServeParams)
