@@ -349,4 +349,6 @@ def start_env(serve_dir) -> dict:
 
 if __name__ == "__main__":
     from pipeline.core.stage_record import run_timed   # metrics/stages/serve_check.json: wall time + peak memory
-    sys.exit(run_timed("serve_check", main))
+    from pipeline.measure.lock import measuring          # one experiment measures on a device at a time
+    with measuring("serve_check"):
+        sys.exit(run_timed("serve_check", main))

@@ -205,4 +205,6 @@ def _metrics(record: dict) -> dict:
 
 if __name__ == "__main__":
     from pipeline.core.stage_record import run_timed   # metrics/stages/tune.json: wall time + peak memory
-    sys.exit(run_timed("tune", main))
+    from pipeline.measure.lock import measuring          # one experiment measures on a device at a time
+    with measuring("tune"):
+        sys.exit(run_timed("tune", main))

@@ -58,3 +58,25 @@ def device_lock(device: str, timeout_s: Optional[float] = None,
         with contextlib.suppress(OSError):
             holder.unlink()
         lock.release()
+
+
+@contextlib.contextmanager
+def measuring(stage: str, env_json: Optional[Path] = None, lock_dir: Optional[os.PathLike | str] = None) -> Iterator[float]:
+    """A stage that measures in servers (tune, serve_check) holds the device as a benchmark does: two
+    experiments run at once (`dvc queue start -j 2`) take turns instead of measuring each other's load.
+    The device is the probe's (artifacts/env.json), CPU when it has not run."""
+    import json
+    if not logging.getLogger().handlers:        # the stage's own logging starts after the wait
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if env_json is None:
+        from pipeline.core.paths import ENV_JSON
+        env_json = ENV_JSON
+    try:
+        device = json.loads(Path(env_json).read_text())["device"]
+    except (OSError, ValueError, KeyError):
+        device = "cpu"
+    with device_lock(device, None, lock_dir) as waited:
+        if waited > 1:
+            log.warning("%s waited %.0f s for the %s device: another experiment was measuring on it", stage, waited,
+                        device)
+        yield waited

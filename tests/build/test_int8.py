@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from pipeline.accuracy import task_gate
-from pipeline.core.params import ParamsError, Tolerance, _default_tolerances
+from pipeline.core.params import ParamsError
+from pipeline.core.params_schema import Tolerance, _default_tolerances
 from pipeline.accuracy.verify import compare
 
 INT8 = ["onnx-int8-dynamic", "onnx-int8-static", "int8"]

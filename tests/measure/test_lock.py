@@ -64,3 +64,17 @@ def test_locks_are_per_device_and_outside_the_workspace(tmp_path, monkeypatch):
     with device_lock("cpu"):
         with device_lock("cuda", timeout_s=0.1):     # another device is not blocked
             pass
+
+
+def test_a_serving_stage_waits_for_a_benchmark_of_another_experiment(tmp_path):
+    """tune and serve_check hold the probe's device as benchmarks do: two queued experiments take turns."""
+    from pipeline.measure.lock import measuring
+    env_json = tmp_path / "env.json"
+    env_json.write_text(json.dumps({"device": "cpu"}))
+    proc, out = _spawn(tmp_path, "bench", 1.0)
+    assert proc.stdout.readline().strip() == "LOCKED"
+    with measuring("serve_check", env_json, tmp_path / "locks") as waited:
+        entered = time.time()
+    assert proc.wait(timeout=60) == 0
+    held = json.loads(out.read_text())
+    assert entered >= held["end"] and waited > 0.3, (held, entered, waited)

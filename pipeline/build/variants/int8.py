@@ -39,7 +39,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pipeline.core.params import Int8Params, Params, Tolerance, _default_tolerances
+from pipeline.core.params_schema import Int8Params, Params, Tolerance, _default_tolerances
 from pipeline.build.variants.base import BuildContext
 from pipeline.build.variants.sensitivity import Calibration, search
 from pipeline.accuracy.task_gate_text import RERANK_GROUP
