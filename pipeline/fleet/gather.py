@@ -44,10 +44,12 @@ def write_target(root: Path, name: str, result: dict) -> dict:
             mar = str(dest.relative_to(root))
     (folder / "log.txt").write_text("\n".join(result.get("log", [])) + "\n")
     summary = _json(folder / "summary.json")
-    check = summary.get("serve_check") or {}
+    # The served figures are summary.json's top level (the serve check's, at its load); a summary
+    # written before that layout has them under `serve_check`.
+    served = summary if "throughput_rps" in summary else (summary.get("serve_check") or {})
     return {"status": result["status"], "reason": result.get("reason"), "node": result.get("node"),
-            "winner": summary.get("winner"), "mar": mar, "throughput_rps": check.get("throughput_rps"),
-            "p99_ms": check.get("p99_ms"), "ready_s": check.get("ready_s"),
+            "winner": summary.get("winner"), "mar": mar, "throughput_rps": served.get("throughput_rps"),
+            "p99_ms": served.get("p99_ms"), "ready_s": served.get("ready_s"),
             "stages_run": list(result.get("stages_run", [])),
             "stages_restored": list(result.get("stages_restored", []))}
 

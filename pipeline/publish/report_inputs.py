@@ -36,6 +36,7 @@ class ReportInputs:
     start_command: Optional[str] = None
     serve_check: Optional[dict] = None
     tuning: Optional[dict] = None                         # artifacts/serve/tuning.json (the tune stage)
+    tuning_metrics: Optional[dict] = None                 # metrics/tuning.json (its figures, committed to git)
     mar: Optional[dict] = None                            # {"path", "bytes", "sha256"}
     stages: list = field(default_factory=list)            # metrics/stages records (pipeline/core/stage_record.py)
     missing: list[str] = field(default_factory=list)      # inputs that were not there (for the page)
@@ -101,6 +102,7 @@ def collect_inputs(root: Path, model_name: str, latency_slo_ms: float, variants:
     inputs.start_command = cmd.strip() if cmd else None
     inputs.serve_check = _read_json(m / "serve_check.json", missing, root)
     inputs.tuning = _read_json(a / "serve" / "tuning.json", missing, root)
+    inputs.tuning_metrics = _read_json(m / "tuning.json", missing, root)
     inputs.stages = read_records(m / "stages")
     mar = a / "model_store" / f"{model_name}.mar"
     if mar.is_file():
@@ -145,11 +147,22 @@ def phase_medians(bench: dict) -> dict[str, float]:
 
 def winner(inputs: ReportInputs) -> Optional[str]:
     """The variant that is served: the tune stage's (its contest may have replaced selection's)."""
-    return (inputs.tuning or {}).get("variant") or (inputs.selection or {}).get("winner")
+    return tuning_record(inputs).get("variant") or (inputs.selection or {}).get("winner")
+
+
+def tuning_record(inputs: ReportInputs) -> dict:
+    """The tune stage's record: artifacts/serve/tuning.json, else its figures in metrics/tuning.json
+    (committed to git, so a checkout without the DVC cache still has the served verdict and choice)."""
+    return inputs.tuning or inputs.tuning_metrics or {}
+
+
+def _int(x: Any) -> Optional[int]:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
 def serving_batch_size(inputs: ReportInputs) -> Optional[int]:
-    """The batchSize the generated config serves with (model-config.yaml wins: it is what TorchServe reads)."""
+    """The batchSize the generated config serves with (model-config.yaml wins: it is what TorchServe reads;
+    then the derivation, the tune stage's choice, the settings the serve check found in the server)."""
     mc = inputs.model_config or {}
     if isinstance(mc.get("batchSize"), int):
         return mc["batchSize"]
@@ -157,7 +170,10 @@ def serving_batch_size(inputs: ReportInputs) -> Optional[int]:
         entry = (inputs.derivation or {}).get(key)
         if isinstance(entry, dict) and isinstance(entry.get("value"), int):
             return entry["value"]
-    return None
+    chosen = tuning_record(inputs).get("chosen") or {}
+    if _int(chosen.get("batch_size")) is not None:
+        return chosen["batch_size"]
+    return _int(((inputs.serve_check or {}).get("settings") or {}).get("batchSize"))
 
 
 def serving_batch_rows(inputs: ReportInputs) -> Optional[int]:
@@ -171,7 +187,69 @@ def serving_batch_rows(inputs: ReportInputs) -> Optional[int]:
     entry = (inputs.derivation or {}).get("batch_rows")
     if isinstance(entry, dict) and isinstance(entry.get("value"), int):
         return entry["value"]
+    chosen = tuning_record(inputs).get("chosen") or {}
+    if _int(chosen.get("batch_rows")) is not None:
+        return chosen["batch_rows"]
     return serving_batch_size(inputs)
+
+
+def serving_config(inputs: ReportInputs) -> dict:
+    """The configuration the .mar serves with: batch size, rows per call, delay, workers, threads per
+    worker, startup and response timeouts, and where they were read (`source`). model-config.yaml
+    (packed in the .mar: TorchServe obeys it) wins; then the tune stage's choice (metrics/tuning.json
+    `chosen`), then the settings the serve check read back from the running server."""
+    mc = inputs.model_config or {}
+    chosen = tuning_record(inputs).get("chosen") or {}
+    settings = (inputs.serve_check or {}).get("settings") or {}
+    handler = mc.get("handler") or {}
+    picks = {"batch_size": (mc.get("batchSize"), chosen.get("batch_size"), settings.get("batchSize")),
+             "batch_rows": (handler.get("batch_rows"), chosen.get("batch_rows"), None),
+             "max_batch_delay_ms": (mc.get("maxBatchDelay"), chosen.get("max_batch_delay_ms"),
+                                    settings.get("maxBatchDelay")),
+             "workers": (mc.get("maxWorkers", mc.get("minWorkers")), chosen.get("workers"),
+                         settings.get("maxWorkers", settings.get("workers"))),
+             "threads_per_worker": (handler.get("threads"), chosen.get("threads_per_worker"), None),
+             "startup_timeout_s": (mc.get("startupTimeout"), chosen.get("startup_timeout_s"),
+                                   settings.get("startupTimeout")),
+             "response_timeout_s": (mc.get("responseTimeout"), chosen.get("response_timeout_s"),
+                                    settings.get("responseTimeout"))}
+    names = ("artifacts/serve/model-config.yaml", "metrics/tuning.json", "metrics/serve_check.json")
+    out: dict[str, Any] = {}
+    used = set()
+    for key, values in picks.items():
+        for name, v in zip(names, values):
+            if _int(v) is not None:
+                out[key] = v
+                used.add(name)
+                break
+        else:
+            out[key] = None
+    if out["batch_rows"] is None:
+        out["batch_rows"] = out["batch_size"]       # one row per request
+    out["source"] = ", ".join(n for n in names if n in used) or None
+    return out
+
+
+def expected_concurrency(inputs: ReportInputs) -> Optional[int]:
+    """serve.expected_concurrency as the deciding stages recorded it (the tune stage, else selection)."""
+    for rec in (inputs.tuning or {}, inputs.tuning_metrics or {},
+                ((inputs.selection or {}).get("criteria") or {})):
+        if _int(rec.get("expected_concurrency")) is not None:
+            return rec["expected_concurrency"]
+    return None
+
+
+def serve_check_load(inputs: ReportInputs) -> Optional[int]:
+    """Concurrent clients the serve check measured the winner with, as its record names them
+    (references.concurrency / references.load.clients, else the load's own concurrency); None when
+    the record does not say."""
+    sc = inputs.serve_check or {}
+    refs = sc.get("references") or {}
+    for v in (refs.get("concurrency"), (refs.get("load") or {}).get("clients"),
+              ((sc.get("winner") or {}).get("load") or {}).get("concurrency"), (sc.get("load") or {}).get("concurrency")):
+        if _int(v) is not None:
+            return v
+    return None
 
 
 def model_bytes(inputs: ReportInputs) -> Optional[int]:

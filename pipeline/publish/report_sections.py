@@ -1,8 +1,9 @@
-"""The report's sections about the decision and the variants, and what the pipeline produced.
+"""The report's sections after the decision: the offline figures and the variants, and what the pipeline produced.
 
 Each function returns the blocks of one section of the page (pipeline/publish/report_render.py),
-from the report's inputs and, for the decision, from the summary already decided
-(pipeline/publish/report_summary.py): a section words figures, it decides none. A section whose
+from the report's inputs and, for the offline figures, from the summary already decided
+(pipeline/publish/report_summary.py): a section words figures, it decides none. The decision itself,
+the page's first screen, is pipeline/publish/report_decision.py's. A section whose
 input is absent says which file is missing and which stage writes it.
 """
 from __future__ import annotations
@@ -14,31 +15,33 @@ import yaml
 from pipeline.publish.report_inputs import (ReportInputs, model_bytes, phase_medians, serving_batch_rows, steady_points,
                                             winner)
 from pipeline.publish.report_plots import PLOTS
-from pipeline.publish.report_render import Block, Code, Heading, Image, Para, Table, fmt, fmt_bytes
+from pipeline.publish.report_render import (Block, Code, Heading, Image, Para, Table, batches_text, fmt, fmt_bytes,
+                                            plain)
 
 
-def decision_blocks(inputs: ReportInputs, summary: dict) -> list[Block]:
-    """The winner, the SLO verdict (summary's) and the figures it is served with."""
+def offline_blocks(inputs: ReportInputs, summary: dict) -> list[Block]:
+    """The served variant's offline figures (the benchmark's, at the served rows per call) and
+    selection's offline reasoning; the decision itself is the first screen (report_decision.py)."""
     sel = inputs.selection
-    b: list[Block] = [Heading("Decision")]
+    off = summary.get("offline") or {}
+    b: list[Block] = [Heading("Offline figures of the served variant (benchmark)")]
     if sel is None:
-        return b + [Para("**No decision yet**: `artifacts/selection.json` is missing (run `dvc repro select`).")]
-    slo = ("met" if summary.get("slo_met") else "**NOT met**") + (
-        " in TorchServe under the expected load" if summary.get("slo_basis") == "served" else " (offline prediction)")
-    b.append(Para(f"Winner: **{winner(inputs)}** (objective: {sel.get('objective', '–')}; "
-                  f"latency SLO {inputs.latency_slo_ms:g} ms p99: {slo})."))
-    if sel.get("message"):
-        b.append(Para(str(sel["message"])))
-    rows = summary.get("batch_rows")
-    multi = rows is not None and rows != summary["batch_size"]
-    b.append(Table(["serving figure", "value"], [
-        ["batch size" + (" (requests, TorchServe's batchSize)" if multi else ""), summary["batch_size"]],
-        *([["rows per model call (handler.batch_rows)", rows]] if multi else []),
-        ["max batch delay (ms)", summary["max_batch_delay_ms"]],
-        ["workers", summary["workers"]], ["p99 at that batch, benchmark (ms)", summary["p99_ms"]],
-        ["throughput at that batch, benchmark (samples/s)", summary["throughput_sps"]],
-        ["cold load, median total (ms)", summary["cold_load_ms"]]]))
+        return b + [Para("`artifacts/selection.json` is missing (run `dvc repro select`).")]
+    predicted = off.get("slo_met_predicted")
+    b.append(Para(f"Selection's offline choice (objective: {sel.get('objective', '–')}; predicted latency SLO "
+                  f"{inputs.latency_slo_ms:g} ms p99: {'met' if predicted else 'NOT met' if predicted is False else '–'}): "
+                  f"{sel.get('message') or '–'}. These are the benchmark's figures, one process, synthetic feeds: "
+                  f"the served ones are in the decision above."))
+    b.append(Table(["offline figure (benchmark)", "value"], [
+        ["rows per model call", _with_unit(off.get("batch_rows"), "rows")],
+        ["p99 per model call at that batch", _with_unit(off.get("p99_ms"), "ms")],
+        ["throughput at that batch, one process", _with_unit(off.get("throughput_sps"), "samples/s")],
+        ["cold load, median total", _with_unit(off.get("cold_load_ms"), "ms")]]))
     return b
+
+
+def _with_unit(v, unit: str) -> str:
+    return "–" if v is None else f"{fmt(v)} {unit}"
 
 
 def variants_blocks(inputs: ReportInputs) -> list[Block]:
@@ -61,9 +64,9 @@ def variants_blocks(inputs: ReportInputs) -> list[Block]:
                      s.get("status", "–"), best_bs, p99, thr.get(best_bs) if best_bs else None,
                      phase_medians(bench).get("total"), fmt_bytes(conv.get("artifact_bytes", bench.get("artifact_bytes"))),
                      "; ".join(reasons) or "–"])
-    return [Heading("Variants"),
-            Para("Every variant listed in params, with its verification, its measurements and why it "
-                 "won or lost. p99 and throughput are taken at the variant's best-throughput batch."),
+    return [Heading("Variants (offline benchmark)"),
+            Para("Every variant listed in params, with its verification, its offline measurements and why it "
+                 "won or lost. p99 and throughput are the benchmark's, at the variant's best-throughput batch."),
             Table(["variant", "conversion", "benchmark", "selection", "best batch", "p99 (ms)",
                    "throughput (samples/s)", "cold load (ms)", "size", "reasons"], rows)]
 
@@ -119,7 +122,7 @@ def accuracy_trade_blocks(inputs: ReportInputs) -> list[Block]:
                          bs, thr.get(bs) if bs else None, ref.get(bs) if bs else None, ratio])
     if not rows:
         return []
-    return [Heading("Accuracy against speed (task-gated variants)", 3),
+    return [Heading("Accuracy against speed (task-gated variants, offline)", 3),
             Para(f"Accuracy on the golden set (conversion.json `verification.task_gate`) beside throughput "
                  f"relative to `{base}` (fp32) at the same batch size. Ops kept fp32 = the sensitivity "
                  f"fallback's choice."),
@@ -129,7 +132,7 @@ def accuracy_trade_blocks(inputs: ReportInputs) -> list[Block]:
 
 def plot_blocks(images: dict[str, Path]) -> list[Block]:
     """The plots drawn (report_plots.PLOTS order), each under its title."""
-    b: list[Block] = [Heading("Plots")]
+    b: list[Block] = [Heading("Plots (offline benchmark; the last one served)")]
     for key, title, _ in PLOTS:
         if key in images:
             b.append(Heading(title, 3))
@@ -139,18 +142,26 @@ def plot_blocks(images: dict[str, Path]) -> list[Block]:
     return b
 
 
+SERVE_CHECK_ROWS = (("READY (s)", "ready_s", fmt), ("WorkerLoadTime (ms)", "worker_load_ms", fmt),
+                    ("first request (ms)", "first_request_ms", fmt), ("requests sent", "requests_sent", fmt),
+                    ("requests answered 2xx", "requests_ok", fmt), ("5xx answers", "errors_5xx", fmt),
+                    ("p50 (ms)", "p50_ms", fmt), ("p99 (ms)", "p99_ms", fmt),
+                    ("throughput (req/s)", "throughput_rps", fmt),
+                    ("batches formed (count of size)", "batch_sizes_seen", batches_text))
+
+
 def serve_check_blocks(inputs: ReportInputs) -> list[Block]:
     """The archived winner in TorchServe against the naive baseline: figures, parity, bad inputs."""
-    b: list[Block] = [Heading("Serve check in TorchServe")]
+    b: list[Block] = [Heading("Serve check in TorchServe (served)")]
     sc = inputs.serve_check
     if not sc:
         return b + [Para("**Serve check not run**: `metrics/serve_check.json` is missing (run `dvc repro serve_check`; "
-                         "it needs Java 17 and TorchServe). The figures above come from the benchmark only.")]
+                         "it needs Java 17 and TorchServe). The figures below come from the benchmark only.")]
     base = sc.get("baseline") or {}
     ratios = sc.get("ratios") or {}
-    keys = ["ready_s", "worker_load_ms", "first_request_ms", "requests_sent", "requests_ok", "errors_5xx",
-            "p50_ms", "p99_ms", "throughput_rps", "batch_sizes_seen"]
-    b.append(Table(["figure", f"winner ({winner(inputs)})", "baseline"], [[k, sc.get(k), base.get(k)] for k in keys]))
+    b.append(Para("The first load of each (one run; the decision above gives the medians of the interleaved rounds)."))
+    b.append(Table(["figure", f"winner ({winner(inputs)})", "baseline"],
+                   [[label, conv(sc.get(k)), conv(base.get(k))] for label, k, conv in SERVE_CHECK_ROWS]))
     emb = sc.get("parity_embedding") or {}
     emb_text = (f"; embeddings: lowest cosine {fmt(emb.get('min_cosine'))}, largest |norm − 1| "
                 f"{fmt(emb.get('max_norm_error'))}" + (" (the model's own are unit)" if emb.get("unit_reference") else "")
@@ -189,6 +200,37 @@ def stage_cost_blocks(inputs: ReportInputs) -> list[Block]:
                    "exit", "started"], rows)]
 
 
+def derivation_inputs_text(inputs) -> str:
+    """A derivation's inputs in words: its own figures; the offline value it started from; the served
+    choice by name (its candidates are the Served operating point section's); curves and steps counted."""
+    if not isinstance(inputs, dict):
+        return fmt(inputs)
+    parts = []
+    for k, v in inputs.items():
+        if k == "served" and isinstance(v, dict):
+            if v.get("chosen") is not None:
+                parts.append(f"served: chose {v.get('chosen')} ({fmt(v.get('served_throughput_rps'))} req/s, p99 "
+                             f"{fmt(v.get('served_p99_ms'))} ms; candidates in Served operating point)")
+            else:
+                parts.append(f"served: {len(v.get('candidates') or [])} candidates (Served operating point)")
+        elif k == "offline" and isinstance(v, dict):
+            parts.append(f"offline value {fmt(v.get('value'))} by {v.get('formula', '–')}"
+                         + (f" from {plain(_scalars(v.get('inputs')))}" if _scalars(v.get("inputs")) else ""))
+        elif k == "curve" and isinstance(v, dict):
+            parts.append(f"curve: {len(v)} batch sizes (Variants, plots)")
+        elif k == "steps" and isinstance(v, list):
+            parts.append("steps: " + " → ".join(str(x) for x in v))
+        elif isinstance(v, dict):
+            parts.append(f"{k}: {plain(_scalars(v)) or '…'}")
+        else:
+            parts.append(f"{k} {fmt(v)}")
+    return "; ".join(parts)
+
+
+def _scalars(d) -> dict:
+    return {k: v for k, v in (d or {}).items() if not isinstance(v, (dict, list))} if isinstance(d, dict) else {}
+
+
 def configuration_blocks(inputs: ReportInputs) -> list[Block]:
     """The generated serving configuration: each value with its formula and inputs, then the files."""
     b: list[Block] = [Heading("Generated configuration and how each value was derived")]
@@ -196,7 +238,7 @@ def configuration_blocks(inputs: ReportInputs) -> list[Block]:
         drows = []
         for key, d in inputs.derivation.items():
             if isinstance(d, dict):
-                drows.append([key, d.get("value"), d.get("formula", "–"), d.get("inputs"),
+                drows.append([key, d.get("value"), d.get("formula", "–"), derivation_inputs_text(d.get("inputs")),
                               d.get("overridden", False)])
             else:
                 drows.append([key, d, "–", "–", "–"])
@@ -209,21 +251,6 @@ def configuration_blocks(inputs: ReportInputs) -> list[Block]:
     if inputs.config_properties:
         b.append(Para("`artifacts/serve/config.properties`:"))
         b.append(Code(inputs.config_properties, "properties"))
-    return b
-
-
-def start_command_blocks(inputs: ReportInputs) -> list[Block]:
-    """How to start the server, and the archive it serves."""
-    b: list[Block] = [Heading("Start command")]
-    if inputs.start_command:
-        b.append(Code(inputs.start_command, "bash"))
-        b.append(Para("Token authorization is on: TorchServe writes `key_file.json` into its working directory; "
-                      "send `Authorization: Bearer <inference key>` with every request."))
-    else:
-        b.append(Para("`artifacts/serve/start_command.txt` is missing (run `dvc repro configure`)."))
-    if inputs.mar:
-        b.append(Para(f"Archive `{inputs.mar['path']}`: {fmt_bytes(inputs.mar['bytes'])}, "
-                      f"sha256 `{inputs.mar['sha256']}`."))
     return b
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from pipeline.measure.stats import LOAD_AFTER_IMPORTS
 from pipeline.publish.report_inputs import ReportInputs, as_number, model_bytes, winner
-from pipeline.publish.report_render import Block, Heading, Para, Table, fmt, fmt_bytes
+from pipeline.publish.report_render import Block, Heading, Para, Table, batches_text, fmt, fmt_bytes
 
 # --------------------------------------------------------------------------- served operating point
-CANDIDATE_HEADER = ["candidate", "batch / delay / workers×threads", "predicted req/s", "served req/s",
-                    "predicted p99 (ms)", "served p99 (ms)", "noise (2 s.e. of the mean)",
-                    "batches formed {size: count}", "served p99 ≤ SLO"]
+CANDIDATE_HEADER = ["candidate", "batch / delay / workers×threads", "predicted req/s (offline)", "served req/s",
+                    "predicted p99 (ms, offline)", "served p99 (ms)", "noise (2 s.e. of the mean, share)",
+                    "batches formed (count of size)", "served p99 ≤ SLO"]
 
 
 def _candidate_rows(cands: list[dict]) -> list[list]:
@@ -28,7 +28,7 @@ def _candidate_rows(cands: list[dict]) -> list[list]:
         out.append([c.get("name"), f"{batch} / {st.get('max_batch_delay_ms')} ms / "
                     f"{st.get('workers')}×{st.get('threads_per_worker')}",
                     p.get("throughput_rps"), c.get("throughput_rps"), p.get("request_p99_ms"), c.get("p99_ms"),
-                    c.get("throughput_spread"), c.get("batches_formed"), c.get("meets_slo")])
+                    c.get("throughput_spread"), batches_text(c.get("batches_formed")), c.get("meets_slo")])
     return out
 
 
@@ -43,9 +43,17 @@ def tuning_blocks(inputs: ReportInputs) -> list[Block]:
     served one won; then the winner against the hand-tuned reference and the baseline."""
     t = inputs.tuning
     if not t:
+        tm = inputs.tuning_metrics
+        if tm:      # the committed figures only: the candidates are in artifacts/serve/tuning.json (DVC cache)
+            return [Heading("Served operating point (tuned in TorchServe)"),
+                    Para(f"The tune stage served {tm.get('chosen_name') or 'its choice'} ({fmt(tm.get('served_throughput_rps'))} "
+                         f"req/s, p99 {fmt(tm.get('served_p99_ms'))} ms; SLO {'met' if tm.get('slo_met') else 'NOT met'}) "
+                         f"in {fmt(tm.get('duration_s'))} s ({fmt(tm.get('server_starts'))} server starts). Its candidates "
+                         f"are in `artifacts/serve/tuning.json`, not in this checkout (`dvc pull artifacts/serve`).")
+                    ] + references_blocks(inputs)
         return [Heading("Served operating point"),
-                Para("`artifacts/serve/tuning.json` is missing (run `dvc repro tune`): the SLO verdict above is "
-                     "the offline prediction.")]
+                Para("`artifacts/serve/tuning.json` is missing (run `dvc repro tune`): no operating point was "
+                     "served by the tune stage.")] + references_blocks(inputs)
     b: list[Block] = [Heading("Served operating point (tuned in TorchServe)")]
     if not t.get("enabled", True):
         return b + [Para("Tuning is off (`tune.enabled: false`): the offline choice is served untested.")]
@@ -78,6 +86,10 @@ def _contest_blocks(contest: dict) -> list[Block]:
             *_decided(contest)]
 
 
+RATIO_NAMES = {"throughput": "throughput", "throughput_within_slo": "throughput within the SLO", "p99": "p99",
+               "ready": "READY"}
+
+
 def references_blocks(inputs: ReportInputs) -> list[Block]:
     """serve_check's interleaved rounds: the winner, the hand-tuned reference and the naive baseline."""
     refs = (inputs.serve_check or {}).get("references") or {}
@@ -90,13 +102,15 @@ def references_blocks(inputs: ReportInputs) -> list[Block]:
         Para(f"Medians of up to {refs.get('rounds')} interleaved rounds, same host, same load (a reference is "
              f"served again only while a comparison with it is within {fmt(100 * (refs.get('decided_band') or 0))}% "
              f"of parity). Hand-tuned: {handtuned.get('what') or handtuned.get('reason')}."),
-        Table(["setup", "READY (s)", "req/s", "p50 (ms)", "p99 (ms)", "p99 ≤ SLO", "rounds (req/s)"],
+        Table(["setup", "READY (s)", "req/s", "p50 (ms)", "p99 (ms)", "p99 ≤ SLO", "each round (req/s)"],
               [[n, s_.get("ready_s"), s_.get("throughput_rps"), s_.get("p50_ms"), s_.get("p99_ms"),
-                s_.get("within_slo"), [r.get("throughput_rps") and round(r["throughput_rps"], 1)
-                                       for r in s_.get("rounds") or []]]
+                s_.get("within_slo"), ", ".join(fmt(round(r["throughput_rps"], 1)) for r in s_.get("rounds") or []
+                                                if r.get("throughput_rps") is not None) or "–"]
                for n, s_ in setups.items()])]
-    if refs.get("ratios_handtuned"):
-        b.append(Para(f"Winner / hand-tuned: {refs['ratios_handtuned']}."))
+    rh = refs.get("ratios_handtuned")
+    if rh:
+        b.append(Para("Winner / hand-tuned: " + ", ".join(f"{RATIO_NAMES.get(k, k)} {fmt(v)}×" for k, v in rh.items()
+                                                         if v is not None) + "."))
     return b + bound_blocks(inputs)
 
 
@@ -202,12 +216,12 @@ def quantized_alternative_blocks(inputs: ReportInputs) -> list[Block]:
     gate_text = ", ".join(f"{k} {fmt(v)}" for k, v in gate.items() if isinstance(v, (int, float)) and k != "samples")
     if fig.get("answers") and not gate:
         how = f"within its float tolerance, but {fig['answers'].get('reason')}"
-        title = "Held back: a variant that changes the answers"
+        title = "Held back, offline: a variant that changes the answers"
     else:
         how = f"its answers move beyond the float tolerances (task gate: {gate_text or 'see its conversion record'})"
-        title = "Held back: the quantized alternative"
+        title = "Held back, offline: the quantized alternative"
     return [Heading(title, 3),
-            Para(f"`{alt.get('variant')}` would give {fmt(fig.get('throughput_sps'))} samples/s at batch "
+            Para(f"`{alt.get('variant')}` would give {fmt(fig.get('throughput_sps'))} samples/s offline at batch "
                  f"{fmt(fig.get('batch_size'))} (request p99 {fmt(fig.get('request_p99_ms'))} ms); {how}. The served "
                  f"variant stays exact; to serve it instead, set `{alt.get('opt_in')}` in params.yaml.")]
 

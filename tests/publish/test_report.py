@@ -104,21 +104,25 @@ def make_outputs(root: Path, serve_check: bool = True) -> None:
                                             "reason": "conversion rejected", "steady": {}})
     _write(a / "selection.json", {
         "winner": "onnx", "objective": "throughput", "slo_met": True, "message": "onnx: highest throughput within SLO",
-        "variants": {"onnx": {"status": "winner", "reasons": [], "figures": {}},
-                     "eager": {"status": "eligible", "reasons": ["throughput 40% below onnx"], "figures": {}},
+        "criteria": {"expected_concurrency": 16},
+        "variants": {"onnx": {"status": "winner", "reasons": [], "figures": {"throughput_sps": 500.0, "batch_size": 4}},
+                     "eager": {"status": "eligible", "reasons": ["throughput 40% below onnx"],
+                               "figures": {"throughput_sps": 300.0, "batch_size": 4}},
                      "fp16": {"status": "rejected", "reasons": ["verification failed: max abs 0.3 > 0.02"],
                               "figures": {}}}})
     _write(a / "serve" / "model-config.yaml", yaml.safe_dump({
         "minWorkers": 2, "maxWorkers": 2, "batchSize": 4, "maxBatchDelay": 5, "responseTimeout": 5,
-        "startupTimeout": 30, "handler": {"threads": 1, "device": "cpu"}}, sort_keys=False))
+        "startupTimeout": 30, "handler": {"threads": 3, "device": "cpu"}}, sort_keys=False))
     _write(a / "serve" / "derivation.json", {
         "batchSize": {"value": 4, "formula": "largest batch with p99 + delay <= SLO", "inputs": {"p99_ms": 9.6},
                       "overridden": False},
         "startupTimeout": {"value": 30, "formula": "max(floor, worst_load*safety+margin)",
                            "inputs": {"worst_load_s": 0.15}, "overridden": False}})
-    _write(a / "serve" / "config.properties", "inference_address=http://127.0.0.1:8080\nload_models=tiny=tiny.mar\n")
-    _write(a / "serve" / "start_command.txt", "torchserve --start --ncs --model-store artifacts/model_store "
-                                             "--models tiny=tiny.mar --ts-config artifacts/serve/config.properties\n")
+    # Written on another machine: its absolute paths must not reach the page.
+    _write(a / "serve" / "config.properties", "inference_address=http://127.0.0.1:8080\nload_models=tiny=tiny.mar\n"
+                                              "model_store=/home/ci/run-7/artifacts/model_store\n")
+    _write(a / "serve" / "start_command.txt", "torchserve --start --ncs --model-store /home/ci/run-7/artifacts/model_store "
+                                             "--models tiny=tiny.mar --ts-config /home/ci/run-7/artifacts/serve/config.properties\n")
     mar = a / "model_store" / "tiny.mar"
     mar.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(mar, "w") as z:
@@ -131,7 +135,26 @@ def make_outputs(root: Path, serve_check: bool = True) -> None:
             "p99_ms": 90, "throughput_rps": 240.0, "batch_sizes_seen": [1, 4],
             "bad_inputs": [{"case": "invalid_json", "status": 400}, {"case": "empty_body", "status": 400}],
             "baseline": {"ready_s": 5.7, "p99_ms": 3500, "throughput_rps": 11.0},
-            "ratios": {"load": 0.44, "throughput": 21.8, "p99": 0.026}})
+            "ratios": {"load": 0.44, "throughput": 21.8, "p99": 0.026}, "token_authorization": True,
+            "winner": {"mar": "/tmp/scratch-1/artifacts/model_store/tiny.mar"},
+            "references": {"concurrency": 16, "load": {"clients": 16}, "rounds": 2, "setups": {
+                "winner": {"throughput_rps": 251.5, "p50_ms": 29.5, "p99_ms": 36.75, "ready_s": 2.625,
+                           "within_slo": True, "rounds": [{"throughput_rps": 250.0}, {"throughput_rps": 253.0}]},
+                "baseline": {"throughput_rps": 11.0, "p99_ms": 3500.0, "ready_s": 5.7, "within_slo": False,
+                             "rounds": [{"throughput_rps": 11.0}]}},
+                "ratios_handtuned": {"throughput": 1.25, "p99": 0.8}}})
+
+
+def first_section(md: str) -> str:
+    """The page's first section: from its first `## ` heading to the next one."""
+    body = md.split("\n## ", 2)
+    assert len(body) >= 2, md[:500]
+    return "## " + body[1]
+
+
+def outside_code(md: str) -> str:
+    """The page without its fenced code blocks (a file shown as it is may hold braces)."""
+    return re.sub(r"```.*?```", "", md, flags=re.S)
 
 
 def run_stage(root: Path) -> subprocess.CompletedProcess:
@@ -174,7 +197,7 @@ def test_report_stage_renders_md_html_and_summary(tmp_path):
     # Decision, every variant with its status and reasons, derivation, start command, environment.
     page_text = html.unescape(re.sub(r"<[^>]+>", "", page))
     md_text = md.replace("**", "").replace("`", "")
-    for text in ("Winner: onnx", "verification failed: max abs 0.3 > 0.02", "throughput 40% below onnx",
+    for text in ("Deploy artifacts/model_store/tiny.mar: variant onnx", "verification failed: max abs 0.3 > 0.02", "throughput 40% below onnx",
                  "largest batch with p99 + delay <= SLO", "torchserve --start --ncs", "Test CPU",
                  "Authorization: Bearer", "invalid_json", "sha256"):
         assert text in page_text and text in md_text, text
@@ -183,10 +206,23 @@ def test_report_stage_renders_md_html_and_summary(tmp_path):
 
     summary = json.loads((tmp_path / "metrics" / "summary.json").read_text())
     onnx = _bench("onnx", 0.6)["steady"]["4"]
-    assert summary["winner"] == "onnx" and summary["slo_met"] is True and summary["batch_size"] == 4
-    assert summary["p99_ms"] == pytest.approx(onnx["p99_ms"])
-    assert summary["throughput_sps"] == pytest.approx(onnx["throughput_sps"])
-    assert summary["cold_load_ms"] == pytest.approx(206 * 0.6)
+    # At the top: the decision as served (the serve check's medians at its named load), what and how to deploy.
+    assert summary["winner"] == "onnx" and summary["slo_met"] is True
+    assert summary["slo_basis"] == "served (serve_check)"       # no tune stage: the serve check's verdict
+    assert (summary["throughput_rps"], summary["p50_ms"], summary["p99_ms"], summary["ready_s"]) == (
+        251.5, 29.5, 36.75, 2.625)
+    assert summary["load"] == {"concurrency": 16, "expected_concurrency": 16, "is_expected": True}
+    assert summary["deploy"]["artifact"] == "artifacts/model_store/tiny.mar" and len(summary["deploy"]["sha256"]) == 64
+    assert {k: summary["config"][k] for k in ("batch_size", "max_batch_delay_ms", "workers", "threads_per_worker",
+                                              "startup_timeout_s", "response_timeout_s")} == {
+        "batch_size": 4, "max_batch_delay_ms": 5, "workers": 2, "threads_per_worker": 3, "startup_timeout_s": 30,
+        "response_timeout_s": 5}
+    assert summary["runner_up"]["variant"] == "eager" and summary["runner_up"]["relative"] == pytest.approx(-0.4)
+    # Offline figures under their own key.
+    assert summary["offline"]["p99_ms"] == pytest.approx(onnx["p99_ms"])
+    assert summary["offline"]["throughput_sps"] == pytest.approx(onnx["throughput_sps"])
+    assert summary["offline"]["cold_load_ms"] == pytest.approx(206 * 0.6)
+    assert "throughput_sps" not in summary and "cold_load_ms" not in summary
     assert summary["serve_check"]["ratio_throughput"] == 21.8 and summary["serve_check"]["parity_ok"] is True
     assert "wrote" in r.stderr and "report.html" in r.stderr   # the stage says where it wrote
 
@@ -207,6 +243,10 @@ def test_report_without_serve_check_says_so(tmp_path):
     assert slo_line_span(latency) > 0.5
     summary = json.loads((tmp_path / "metrics" / "summary.json").read_text())
     assert summary["serve_check"] == {"ran": False} and summary["winner"] == "onnx"
+    assert summary["throughput_rps"] is None and summary["slo_basis"] == "predicted"
+    assert summary["load"]["concurrency"] is None
+    first = first_section(md)
+    assert "load unknown" in first and "Serve check not run" not in first and "not run" in first
 
 
 def test_report_on_empty_tree_still_renders(tmp_path):
@@ -237,7 +277,7 @@ def test_summary_falls_back_to_best_batch_without_config(tmp_path):
     s = summary_metrics(inputs)
     steady = _bench("onnx", 0.6)["steady"]
     best = max(steady.values(), key=lambda r: r["throughput_sps"])
-    assert s["batch_size"] is None and s["throughput_sps"] == pytest.approx(best["throughput_sps"])
+    assert s["config"]["batch_size"] is None and s["offline"]["throughput_sps"] == pytest.approx(best["throughput_sps"])
     assert inputs.mar["model_version"] == "1.0" and len(inputs.mar["sha256"]) == 64
 
 
@@ -245,7 +285,7 @@ def _served_inputs(winner_p99: float, concurrency: int = 16):
     tuning = {"enabled": True, "slo_met": True, "served_p99_ms": 80.0, "served_throughput_rps": 300.0,
               "expected_concurrency": 16}
     refs = {"concurrency": concurrency, "setups": {"winner": {"p99_ms": winner_p99, "within_slo": winner_p99 <= 100}}}
-    return ReportInputs(model_name="tiny", latency_slo_ms=100.0, variants=VARIANTS, selection={"slo_met": True},
+    return ReportInputs(model_name="tiny", latency_slo_ms=100.0, variants=VARIANTS, selection={"slo_met": True, "winner": "onnx"},
                         tuning=tuning, serve_check={"references": refs})
 
 
@@ -254,7 +294,8 @@ def test_served_slo_verdict_must_hold_in_serve_check_too():
     assert ok["slo_met"] is True and ok["serve_check_confirms_slo"] is True and ok["slo_basis"] == "served"
     # the archived winner missed the SLO in serve_check's rounds at the same load: not met
     miss = served_verdict(_served_inputs(140.0))
-    assert miss["slo_met"] is False and miss["served_p99_ms"] == 140.0 and miss["slo_basis"] == "served (serve_check)"
+    assert miss["slo_met"] is False and miss["slo_basis"] == "served (serve_check)"
+    assert miss["tuning"]["served_p99_ms"] == 80.0                  # the tune stage's own figure, kept beside
     # measured at another load: it neither confirms nor overturns the tune stage's verdict
     other = served_verdict(_served_inputs(140.0, concurrency=32))
     assert other["slo_met"] is True and "serve_check_confirms_slo" not in other
@@ -265,12 +306,12 @@ def test_the_page_words_the_verdict_it_is_given():
     summary.json cannot disagree."""
     inputs = _served_inputs(140.0)          # tuned: met; serve_check at the same load: missed
     summary = summary_metrics(inputs)
-    assert summary["slo_met"] is False and summary["slo_met_predicted"] is True
+    assert summary["slo_met"] is False and summary["offline"]["slo_met_predicted"] is True
     md = render_markdown(build_blocks(inputs, summary, {}), Path("."))
-    assert "latency SLO 100 ms p99: **NOT met**" in md
+    assert "Latency SLO 100 ms p99: **NOT met** measured in TorchServe by the serve check, 16 concurrent clients" in md
     served = {**summary, "slo_met": True, "slo_basis": "served"}
     md = render_markdown(build_blocks(inputs, served, {}), Path("."))
-    assert "latency SLO 100 ms p99: met in TorchServe under the expected load" in md
+    assert "Latency SLO 100 ms p99: **met** in TorchServe under the expected load" in md
 
 
 def test_page_shows_served_against_the_bound_and_the_held_back_int8():
@@ -305,8 +346,74 @@ def test_page_shows_served_against_the_bound_and_the_held_back_int8():
         "figures": {"throughput_sps": 610.0, "batch_size": 8, "request_p99_ms": 20.1,
                     "answers": {"exact": False, "reason": "3 of 13 queries' texts come in another order than eager's"}}}
     md = render_markdown(build_blocks(inputs, summary_metrics(inputs), {}), Path("."))
-    assert "Held back: a variant that changes the answers" in md
+    assert "Held back, offline: a variant that changes the answers" in md
     assert "within its float tolerance, but 3 of 13 queries' texts come in another order" in md
     # Without the figures, no such sections.
     bare = render_markdown(build_blocks(_served_inputs(90.0), summary_metrics(_served_inputs(90.0)), {}), Path("."))
     assert "host's bound" not in bare and "Held back" not in bare
+
+
+def test_first_screen_is_the_served_decision(tmp_path):
+    """The page opens on what to deploy, the serve check's figures at a named load, the configuration
+    with threads, the runner-up and a start command with repo-relative paths; offline figures come later."""
+    make_outputs(tmp_path)
+    r = run_stage(tmp_path)
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "reports" / "report.md").read_text()
+    page = (tmp_path / "reports" / "report.html").read_text()
+    first = first_section(md)
+    assert first.startswith("## Decision: what to deploy")
+    assert md.index("## Decision") < min(md.index(h) for h in ("## Serve check", "## Variants", "## Offline"))
+    # What to deploy, where: the .mar's repo-relative path, its sha256.
+    assert "`artifacts/model_store/tiny.mar`" in first and "sha256" in first
+    # The serve check's medians (not its first load, not the benchmark's), at the load its record names.
+    assert "16 concurrent clients = serve.expected_concurrency" in first
+    assert "| throughput | 251.5 req/s |" in first and "| latency p50 / p99 | 29.5 ms / 36.75 ms |" in first
+    assert "| READY after start (all workers loaded) | 2.625 s |" in first and "| p99 ≤ SLO 40 ms | yes |" in first
+    assert "240" not in first                                   # the first load's req/s: further down
+    # The configuration, threads per worker included, each with its unit.
+    for row in ("| batch size (TorchServe batchSize) | 4 requests |", "| max batch delay (maxBatchDelay) | 5 ms |",
+                "| workers (minWorkers = maxWorkers) | 2 processes |", "| threads per worker (handler.threads) | 3 threads |",
+                "| startup timeout (startupTimeout) | 30 s |", "| response timeout (responseTimeout) | 5 s |"):
+        assert row in first, row
+    assert "Runner-up: **eager**" in first and "40% less throughput than onnx" in first
+    # A start command that works from the repo root: relative paths, the threads, no other machine's path.
+    assert ("OMP_NUM_THREADS=3 MKL_NUM_THREADS=3 TOKENIZERS_PARALLELISM=false torchserve --start --ncs "
+            "--model-store artifacts/model_store --models tiny=tiny.mar --ts-config artifacts/serve/config.properties"
+            ) in first
+    # Offline figures only after the decision, labelled offline.
+    assert "samples/s" not in first and "benchmark (ms)" not in first
+    offline_at = md.index("## Offline figures of the served variant (benchmark)")
+    assert md.index("## Variants (offline benchmark)") > offline_at > md.index("## Decision")
+    assert md.index("samples/s") > md.index("## Decision") + len(first)
+    # Nowhere on the page: a raw dict or list, an absolute machine path.
+    for text in (outside_code(md), html.unescape(re.sub(r"<pre>.*?</pre>", "", page, flags=re.S))):
+        assert not re.search(r"\{['\"]|\[\[|\['|\{\d", text), re.search(r".{60}(\{['\"]|\['|\[\[).{60}", text)
+    for text in (md, page):
+        assert not re.search(r"/(home|tmp|work)/", text), re.search(r".{60}/(home|tmp|work)/.{60}", text)
+    assert "model_store=artifacts/model_store" in md            # config.properties shown with the path made relative
+    # The HTML's first screen is the same decision.
+    text = html.unescape(re.sub(r"<[^>]+>", " ", page))
+    start = text.index("Decision: what to deploy")
+    assert start < text.index("Serve check in TorchServe") and "251.5 req/s" in text[start:text.index("Serve check in")]
+    assert "3 threads" in text[start:text.index("Serve check in")]
+
+
+def test_first_screen_names_another_load_and_the_tuned_runner_up():
+    """The serve check at another load than expected: said so. The tune stage's best other candidate
+    and the decision step about it are on the first screen."""
+    inputs = _served_inputs(90.0, concurrency=32)
+    inputs.tuning.update(chosen_name="offline choice", candidates=[
+        {"name": "offline choice", "throughput_rps": 300.0, "p99_ms": 80.0,
+         "settings": {"batch_size": 8, "max_batch_delay_ms": 11, "workers": 2, "threads_per_worker": 1}},
+        {"name": "batch 4", "throughput_rps": 280.0, "p99_ms": 70.0,
+         "settings": {"batch_size": 4, "max_batch_delay_ms": 5, "workers": 2, "threads_per_worker": 1}}],
+        decision_steps=["offline choice: served 300 req/s (start)",
+                        "batch 4: throughput -6.7% vs offline choice, within the noise band 20%: offline choice stays"])
+    inputs.serve_check["references"]["setups"]["winner"].update(throughput_rps=310.0, p50_ms=50.0, ready_s=2.0)
+    first = first_section(render_markdown(build_blocks(inputs, summary_metrics(inputs), {}), Path(".")))
+    assert "32 concurrent clients, not the expected load (serve.expected_concurrency 16)" in first
+    assert "| throughput | 310 req/s |" in first
+    assert ("Runner-up operating point, served by the tune stage: batch 4 (batch 4, delay 5 ms, 2 workers × 1 threads), "
+            "280 req/s, p99 70 ms: throughput -6.7% vs offline choice, within the noise band 20%: offline choice stays"
+            ) in first
