@@ -157,12 +157,16 @@ class TargetRun:
         self.stages_run.append("probe")
         self.sh(py, "-m", "pipeline.fleet.node_checks", "requires", json.dumps(self.target.get("requires") or {}),
                 step="hardware check", refuse_on=REFUSED_EXIT)
+        # the checkpoint stage alone too: settings and files checked, and artifacts/checkpoint.json (which
+        # prepare depends on) written before the single-item repro below, so its run-cache key is this checkpoint's
+        self.sh(py, "-m", "stages.checkpoint", step="checkpoint")
+        self.stages_run.append("checkpoint")
         self.say("fleet: waiting for the conversion lock")
         while not _get(self.coordinator.acquire.remote(self.name)):
             time.sleep(1.0)
         try:
             # --pull: restore from the run-cache another target pushed; --allow-missing, or DVC re-runs (dvc#10412)
-            # --single-item: not the probe again (upstream of convert, always changed); it just ran
+            # --single-item: not the probe and checkpoint again (upstream of convert, always changed); they just ran
             self.sh("dvc", "repro", "--single-item", "--pull", "--allow-missing", "prepare", "convert",
                     step="conversions")
             self.push("prepare", "convert", "--records", "prepare", "convert")
