@@ -1,4 +1,4 @@
-"""kserve: artifacts/kserve/{config/config.properties, model-store/<name>.mar, inferenceservice.yaml}.
+"""kserve: artifacts/kserve/{config/config.properties, model-store/<name>.mar, inferenceservice.yaml, resources.json}.
 
     python -m stages.kserve [--root DIR]
 
@@ -41,15 +41,18 @@ def main(argv: list[str] | None = None) -> int:
             raise KServeError(f"{serve_dir / 'model-config.yaml'} not found; run `dvc repro configure` first") from None
         derivation_path = serve_dir / "derivation.json"
         derivation = json.loads(derivation_path.read_text()) if derivation_path.is_file() else None
+        # The served winner's peak memory per worker in TorchServe: the manifest's memory request.
+        check_path = root / "metrics" / "serve_check.json"
+        serve_check = json.loads(check_path.read_text()) if check_path.is_file() else None
         layout = build_layout(name, root / "artifacts" / "model_store" / f"{name}.mar", model_config, derivation,
-                              root / "artifacts" / "kserve", params.publish.kserve_storage_uri)
+                              root / "artifacts" / "kserve", params.publish.kserve_storage_uri, serve_check)
     except (ParamsError, KServeError) as e:
         print(f"kserve: error: {e}", file=sys.stderr)
         return 2
     for warning in layout.warnings:
         log.warning("%s", warning)
-    log.info("wrote KServe layout in %s: %s, %s and %s", layout.root, layout.config_properties, layout.mar,
-             layout.manifest)
+    log.info("wrote KServe layout in %s: %s, %s, %s and %s", layout.root, layout.config_properties, layout.mar,
+             layout.manifest, layout.resources)
     return 0
 
 

@@ -10,7 +10,9 @@ with a KServe wrapper in the same container that listens on 8080 and forwards to
     model-store/<name>.mar
 
 The wrapper reads config.properties with a naive `split("=", 1)` per line and `json.loads` of
-`model_snapshot`, so the snapshot must be one line of JSON. The serving values (batch size, delay,
+`model_snapshot`, so the snapshot must be one line of JSON. The manifest's resources and probes come
+from the measurements (pipeline/publish/kserve_resources.py), their derivation beside it in
+resources.json and as its header comments. The serving values (batch size, delay,
 workers, timeouts) are the ones the configure stage derived; the snapshot's version key must equal
 the .mar manifest's modelVersion or TorchServe does not find the model.
 """
@@ -26,6 +28,7 @@ from typing import Any, Optional
 import yaml
 
 from pipeline.decide.store_form import form_of, link_or_copy, link_or_copy_tree, store_entry
+from pipeline.publish import kserve_resources
 
 KSERVE_MOUNT = "/mnt/models"
 KSERVE_MODEL_STORE = f"{KSERVE_MOUNT}/model-store"
@@ -127,8 +130,16 @@ def kserve_config_properties(model_name: str, model_version: str, values: Servin
 
 
 def inferenceservice_manifest(model_name: str, storage_uri: str, values: ServingValues,
-                              service_account: str = "s3-access") -> str:
-    """A sample InferenceService using the kserve-torchserve runtime (v1 protocol)."""
+                              service_account: str = "s3-access", derived: Optional[dict] = None) -> str:
+    """A sample InferenceService using the kserve-torchserve runtime (v1 protocol); resources and probes
+    from `derived` (kserve_resources.derive: the measurements), their derivation as header comments."""
+    derived = derived or kserve_resources.derive(model_name, {"maxWorkers": values.max_workers,
+                                                              "startupTimeout": values.startup_timeout_s}, None, None)
+    requests: dict[str, str] = {"cpu": derived["cpu"]["value"]}
+    limits: dict[str, str] = {"cpu": derived["cpu"]["value"]}
+    if derived.get("memory_request"):
+        requests["memory"] = derived["memory_request"]["value"]
+        limits["memory"] = derived["memory_limit"]["value"]
     doc = {
         "apiVersion": "serving.kserve.io/v1beta1",
         "kind": "InferenceService",
@@ -143,14 +154,16 @@ def inferenceservice_manifest(model_name: str, storage_uri: str, values: Serving
                 "protocolVersion": "v1",
                 # Points at the folder holding config/ and model-store/ (artifacts/kserve/ uploaded).
                 "storageUri": storage_uri,
-                "resources": {"requests": {"cpu": str(max(1, values.max_workers)), "memory": "2Gi"},
-                              "limits": {"cpu": str(max(1, values.max_workers)), "memory": "4Gi"}},
+                "resources": {"requests": requests, "limits": limits},
+                "startupProbe": derived["startupProbe"],
+                "readinessProbe": derived["readinessProbe"],
             }}},
     }
     header = (f"# Sample InferenceService for {model_name}: upload artifacts/kserve/ (config/ + model-store/)\n"
               f"# to the storageUri below, then `kubectl apply -f artifacts/kserve/inferenceservice.yaml`.\n"
-              f"# Requests: POST /v1/models/{model_name}:predict with {{\"instances\": [...]}} (KServe v1 protocol).\n")
-    return header + yaml.safe_dump(doc, sort_keys=False)
+              f"# Requests: POST /v1/models/{model_name}:predict with {{\"instances\": [...]}} (KServe v1 protocol).\n"
+              + "".join(f"# {line}\n" for line in kserve_resources.comment_lines(derived)))
+    return header + yaml.safe_dump(doc, sort_keys=False, width=120)
 
 
 def envelope_warnings(values: ServingValues) -> list[str]:
@@ -174,12 +187,15 @@ class KServeLayout:
     config_properties: Path
     mar: Path
     manifest: Path
+    resources: Optional[Path] = None
     warnings: tuple[str, ...] = ()
 
 
 def build_layout(model_name: str, mar: Path, model_config: dict, derivation: Optional[dict], out_dir: Path,
-                 storage_uri: Optional[str] = None) -> KServeLayout:
-    """Write `out_dir/{config/config.properties, model-store/<name>.mar, inferenceservice.yaml}`; when
+                 storage_uri: Optional[str] = None, serve_check: Optional[dict] = None) -> KServeLayout:
+    """Write `out_dir/{config/config.properties, model-store/<name>.mar, inferenceservice.yaml,
+    resources.json}` (resources.json: the manifest's resources and probes with their formulas and the
+    measurements they come from, kserve_resources.derive: serve_check is metrics/serve_check.json); when
     derivation.json chose the folder store form, `model-store/<name>/` (the .mar unpacked, beside it
     in the model store) instead of the .mar: a pod starts from it without copying the weights. The
     model files are hard links to artifacts/model_store's (copies only across filesystems)."""
@@ -206,11 +222,19 @@ def build_layout(model_name: str, mar: Path, model_config: dict, derivation: Opt
         link_or_copy_tree(folder, target)
     else:
         link_or_copy(mar, target)
+    derived = kserve_resources.derive(model_name, model_config, derivation, serve_check)
+    resources = out_dir / "resources.json"
+    resources.write_text(json.dumps(derived, indent=2) + "\n")
     manifest = out_dir / "inferenceservice.yaml"
     manifest.write_text(inferenceservice_manifest(model_name, storage_uri or STORAGE_URI_PLACEHOLDER.format(name=model_name),
-                                                  values))
-    return KServeLayout(root=out_dir, config_properties=props, mar=target, manifest=manifest,
-                        warnings=tuple(envelope_warnings(values)))
+                                                  values, derived=derived))
+    warnings = envelope_warnings(values)
+    if not derived.get("memory_request"):
+        warnings.append("no peak RSS per worker measured (metrics/serve_check.json worker_peak_rss_mb, or "
+                        "derivation.json workers.inputs.peak_rss_mb): inferenceservice.yaml sets no memory "
+                        "request or limit; run `dvc repro serve_check` first")
+    return KServeLayout(root=out_dir, config_properties=props, mar=target, manifest=manifest, resources=resources,
+                        warnings=tuple(warnings))
 
 
 def mar_model_version(mar: Path) -> Optional[str]:

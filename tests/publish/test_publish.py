@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -24,7 +25,7 @@ from pipeline.core.params import REPO_ROOT
 
 BIN = Path(sys.executable).parent
 MODEL_CONFIG = {"minWorkers": 1, "maxWorkers": 1, "batchSize": 4, "maxBatchDelay": 7, "responseTimeout": 11,
-                "startupTimeout": 33, "handler": {"threads": 1}}
+                "startupTimeout": 33, "handler": {"threads": 2}}
 DERIVATION = {"job_queue_size": {"value": 64, "formula": "…", "inputs": {}, "overridden": False},
               "max_request_size": {"value": 131072, "formula": "…", "inputs": {}, "overridden": False}}
 
@@ -190,6 +191,8 @@ def test_kserve_stage_writes_the_runtime_layout(tmp_path):
     serve.mkdir(parents=True)
     (serve / "model-config.yaml").write_text(yaml.safe_dump(MODEL_CONFIG))
     (serve / "derivation.json").write_text(json.dumps(DERIVATION))
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "serve_check.json").write_text(json.dumps({"worker_peak_rss_mb": 410.0}))
     stale = tmp_path / "artifacts" / "kserve" / "model-store" / "old.mar"
     make_mar(stale)
 
@@ -198,7 +201,7 @@ def test_kserve_stage_writes_the_runtime_layout(tmp_path):
     assert r.returncode == 0, r.stderr
     k = tmp_path / "artifacts" / "kserve"
     assert sorted(str(p.relative_to(k)) for p in k.rglob("*") if p.is_file()) == [
-        "config/config.properties", "inferenceservice.yaml", "model-store/tiny.mar"]
+        "config/config.properties", "inferenceservice.yaml", "model-store/tiny.mar", "resources.json"]
     assert (k / "model-store" / "tiny.mar").read_bytes() == (tmp_path / "artifacts/model_store/tiny.mar").read_bytes()
 
     # Read the way KServe's wrapper reads it: naive split, json.loads of the snapshot.
@@ -220,8 +223,101 @@ def test_kserve_stage_writes_the_runtime_layout(tmp_path):
     assert isvc["apiVersion"] == "serving.kserve.io/v1beta1" and isvc["kind"] == "InferenceService"
     model = isvc["spec"]["predictor"]["model"]
     assert model["modelFormat"]["name"] == "pytorch" and model["storageUri"] == "s3://acme-models/tiny/v3"
+    # Resources from the measurements: the served peak per worker (serve_check) × 1 worker + the JVM, × 1.2.
+    assert model["resources"]["requests"] == {"cpu": "2", "memory": f"{math.ceil((410.0 + 320) * 1.2)}Mi"}
+    assert model["resources"]["limits"] == {"cpu": "2", "memory": f"{math.ceil(math.ceil((410.0 + 320) * 1.2) * 1.5)}Mi"}
+    # The startup budget is the derived startupTimeout (33 s → 7 × 5 s); readiness asks for a READY worker.
+    assert model["startupProbe"]["periodSeconds"] * model["startupProbe"]["failureThreshold"] == 35
+    assert "/models/tiny" in model["readinessProbe"]["exec"]["command"][-1]
+    assert "READY" in model["readinessProbe"]["exec"]["command"][-1]
+    text = (k / "inferenceservice.yaml").read_text()
+    assert "ceil((410 MiB × 1 + 320 MiB) × 1.2)" in text and "worker_peak_rss_mb" in text
+    derived = json.loads((k / "resources.json").read_text())
+    assert derived["memory_request"]["inputs"]["peak_rss_per_worker_mb"] == 410.0
     assert "stages.kserve" in r.stderr and str(k) in r.stderr
     assert "serve.overrides.batch_size: 1" in r.stderr     # batchSize 4 under the v1 envelope: warned
+
+
+def test_manifest_resources_follow_the_measurements():
+    """Two measured peaks give two memory requests; CPU is workers × threads; without the serve check the
+    benchmark's peak (derivation.json) is used; with no measurement no memory is set and it says so."""
+    from pipeline.publish.kserve import inferenceservice_manifest
+    from pipeline.publish.kserve_resources import derive
+    mc = {**MODEL_CONFIG, "minWorkers": 3, "maxWorkers": 3, "handler": {"threads": 2}, "startupTimeout": 62}
+    small, big = (derive("tiny", mc, None, {"worker_peak_rss_mb": mb}) for mb in (200.0, 1800.0))
+    assert small["memory_request"]["mib"] == math.ceil((200 * 3 + 320) * 1.2) == 1104
+    assert big["memory_request"]["mib"] == math.ceil((1800 * 3 + 320) * 1.2) == 6864
+    assert big["memory_limit"]["mib"] == math.ceil(6864 * 1.5)
+    assert small["cpu"]["value"] == big["cpu"]["value"] == "6"
+    assert small["startup_budget_s"]["value"] == 65 and small["startupProbe"]["failureThreshold"] == 13
+    manifests = [yaml.safe_load(inferenceservice_manifest("tiny", "s3://b/t", serving_values(mc), derived=d))
+                 for d in (small, big)]
+    requests = [m["spec"]["predictor"]["model"]["resources"]["requests"]["memory"] for m in manifests]
+    assert requests == ["1104Mi", "6864Mi"]
+    bench = derive("tiny", mc, {"workers": {"value": 3, "inputs": {"peak_rss_mb": 500.0}}}, None)
+    assert bench["memory_request"]["mib"] == math.ceil((500 * 3 + 320) * 1.2)
+    assert "derivation.json" in bench["memory_request"]["inputs"]["peak_source"]
+    none = derive("tiny", mc, None, None)
+    assert none["memory_request"] is None
+    m = inferenceservice_manifest("tiny", "s3://b/t", serving_values(mc), derived=none)
+    assert "memory: NOT SET" in m and "memory" not in yaml.safe_load(m)["spec"]["predictor"]["model"]["resources"]["requests"]
+
+
+SLOW_HANDLER = '''
+import json, time
+_loaded = False
+
+
+def handle(data, context):
+    global _loaded
+    if not _loaded:             # a slow model load: the worker is not READY for 8 s
+        time.sleep(8)
+        _loaded = True
+    if data is None:
+        return None
+    return [json.dumps({"ok": 1}) for _ in data]
+'''
+
+
+@pytest.mark.torchserve
+def test_readiness_probe_waits_for_a_ready_worker_where_ping_does_not(tmp_path):
+    """TorchServe's /ping says Healthy while the worker is still loading; the manifest's probe command
+    fails until GET /models/<name> lists a READY worker, then passes."""
+    import time
+    import urllib.request
+    from pipeline.publish.kserve_resources import ready_check
+    from pipeline.serve.archive import package
+
+    (tmp_path / "slow.py").write_text(SLOW_HANDLER)
+    mar = package("slow", tmp_path / "slow.py", {}, tmp_path / "store")
+    port, metrics, g1, g2 = (free_port() for _ in range(4))
+    (tmp_path / "c.properties").write_text(
+        f"inference_address=http://127.0.0.1:{port}\nmanagement_address=http://127.0.0.1:{port}\n"
+        f"metrics_address=http://127.0.0.1:{metrics}\ngrpc_inference_port={g1}\ngrpc_management_port={g2}\n"
+        "disable_token_authorization=true\nenable_model_api=false\ndefault_workers_per_model=1\n"
+        f"load_models=slow={mar.name}\n")
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TEMP": str(tmp_path / "tmp"), "TMPDIR": str(tmp_path / "tmp"),
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    subprocess.run([str(BIN / "torchserve"), "--start", "--ncs", "--ts-config", str(tmp_path / "c.properties"),
+                    "--model-store", str(mar.parent)], cwd=tmp_path, env=env, check=True, timeout=60)
+    seen = []
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            time.sleep(1.0)
+            try:
+                ping = urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2).status
+            except OSError:
+                continue                  # the frontend not listening yet
+            rc = subprocess.run(ready_check("slow", port), capture_output=True, timeout=10).returncode
+            seen.append((ping, rc))
+            if rc == 0:
+                break
+    finally:
+        subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=tmp_path, env=env, timeout=60)
+    assert seen and seen[-1] == (200, 0), seen
+    assert (200, 1) in seen, seen          # Healthy, not READY: /ping would have let traffic in
 
 
 def test_no_envelope_warning_at_batch_size_one():
