@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -26,28 +27,14 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from ts.torch_handler.base_handler import BaseHandler
 
+from handlers.pooling import pool
 from handlers.tasks import RequestError, make_adapter
 
 log = logging.getLogger(__name__)
 
 BASELINE_FILE = "baseline.json"
-
-
-def _pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str, normalize: bool) -> torch.Tensor:
-    """Sentence-transformers pooling over real tokens, as the packed modules.json defines it."""
-    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-    if pooling == "cls":
-        pooled = hidden[:, 0]
-    elif pooling == "max":
-        pooled = hidden.masked_fill(mask == 0, -1e4).amax(dim=1)
-    else:
-        counts = mask.sum(dim=1).clamp(min=1.0)
-        summed = (hidden * mask).sum(dim=1)
-        pooled = summed / counts if pooling == "mean" else summed / counts.sqrt()
-    return F.normalize(pooled, p=2.0, dim=1) if normalize else pooled
 
 
 class BaselineHandler(BaseHandler):
@@ -133,10 +120,13 @@ class BaselineHandler(BaseHandler):
         tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for k, v in feeds.items()}
         with torch.no_grad():
             if self.spec["task"]["kind"] == "text-embedding":
+                # As sentence-transformers calls it: token types where the model takes them.
+                extra = ({"token_type_ids": torch.zeros_like(tensors["input_ids"])}
+                         if "token_type_ids" in inspect.signature(self.model.forward).parameters else {})
                 hidden = self.model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"],
-                                    token_type_ids=torch.zeros_like(tensors["input_ids"])).last_hidden_state
+                                    **extra).last_hidden_state
                 task = self.spec["task"]
-                out = _pool(hidden, tensors["attention_mask"], task.get("pooling", "mean"),
+                out = pool(hidden, tensors["attention_mask"], task.get("pooling", "mean"),
                             bool(task.get("normalize", True)))
             elif self.spec["source"] == "hf" and self.spec["task"]["kind"] == "image-classification":
                 out = self.model(pixel_values=tensors["pixels"])   # the adapter's `pixels`, by transformers' name

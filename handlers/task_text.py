@@ -1,6 +1,6 @@
 """What the tokenized text tasks share (text-classification, rerank, token-classification):
 the model folder's fast tokenizer (tokenizer.json), one row per text or text pair, padding to the
-batch's longest row in `collate`.
+batch's longest row in `collate` on the side the folder pads (a decoder backbone: left) with its pad id.
 
 The feeds are the model's inputs as variant.json's task lists them (`inputs`): input_ids,
 attention_mask, and token_type_ids only where the model takes them (BERT yes, RoBERTa/DistilBERT no).
@@ -34,7 +34,9 @@ class TextTaskAdapter(TaskAdapter):
         self.max_texts = int(self.task.get("max_texts", 64))
         self.input_names = list(self.task.get("inputs") or ("input_ids", "attention_mask"))
         padding = self.tokenizer.padding or {}
-        self.pad_id = int(padding.get("pad_id", self.tokenizer.token_to_id("[PAD]") or 0))
+        pad_id = self.task.get("pad_id")      # the folder's pad token (a decoder pads with its end-of-text)
+        self.pad_id = int(pad_id if pad_id is not None else padding.get("pad_id", self.tokenizer.token_to_id("[PAD]") or 0))
+        self.left_padding = self.task.get("padding_side") == "left"
         # tokenizer.json may ship fixed padding and its own truncation (MiniLM: 128): set ours.
         self.tokenizer.no_padding()
         if self.truncation:
@@ -75,7 +77,11 @@ class TextTaskAdapter(TaskAdapter):
             fill = self.pad_id if name == "input_ids" else PAD_VALUES.get(name, 0)
             arr = np.full((len(samples), longest), fill, dtype=np.int64)
             for row, s in enumerate(samples):
-                arr[row, :len(s[name])] = s[name]
+                n = len(s[name])
+                if self.left_padding:
+                    arr[row, longest - n:] = s[name]
+                else:
+                    arr[row, :n] = s[name]
             feeds[name] = arr
         return feeds
 

@@ -36,6 +36,9 @@ class TokenClassificationAdapter(TextTaskAdapter):
         super().__init__(model_dir, task)
         self.labels = [str(x) for x in self.task["labels"]]
         self.default_strategy = self.task.get("aggregation_strategy", "simple")
+        # Token scores are read from each row's start: right padding whatever the folder says (a
+        # bidirectional tagger's answers do not depend on the side).
+        self.left_padding = False
         model = self.tokenizer.model
         self.subword_prefix = getattr(model, "continuing_subword_prefix", None)
         unk = getattr(model, "unk_token", None)

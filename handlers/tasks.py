@@ -25,9 +25,7 @@ text/* as str, anything else as bytes/bytearray: all are accepted.
 """
 from __future__ import annotations
 
-import base64
 import json
-import random
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -200,7 +198,7 @@ class TaskAdapter(ABC):
         """`n` deterministic valid (body, content type) requests (golden set, HTTP parity)."""
 
 
-# --------------------------------------------------------------------------- text-embedding
+# Words of the tasks' example requests (short-sentence traffic).
 _WORDS = ("the a one every small large red quiet bright old new fast slow happy tired curious river city "
           "guitar music market morning evening window garden train engine forest ocean story teacher student "
           "doctor farmer child dog cat bird plays reads builds carries watches finds opens writes sings runs "
@@ -208,159 +206,17 @@ _WORDS = ("the a one every small large red quiet bright old new fast slow happy 
           "but so yesterday today tomorrow slowly quickly carefully loudly softly again together alone").split()
 
 
-class TextEmbeddingAdapter(TaskAdapter):
-    kind = "text-embedding"
-
-    def __init__(self, model_dir, task):
-        super().__init__(model_dir, task)
-        from tokenizers import Tokenizer   # only this task needs it
-        path = self.model_dir / self.task.get("tokenizer", "tokenizer.json")
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: tokenizer.json missing from the model folder")
-        self.tokenizer = Tokenizer.from_file(str(path))
-        self.max_length = int(self.task.get("max_length", 128))
-        self.normalize = bool(self.task.get("normalize", False))
-        self.max_texts = int(self.task.get("max_texts", 64))
-        padding = self.tokenizer.padding or {}
-        pad_token = next((t for t in ("[PAD]", "<pad>") if self.tokenizer.token_to_id(t) is not None), None)
-        self.pad_id = int(padding.get("pad_id", self.tokenizer.token_to_id(pad_token) if pad_token else 0))
-        # tokenizer.json may ship fixed padding (MiniLM: 128); pad per batch in collate instead.
-        self.tokenizer.no_padding()
-        self.tokenizer.enable_truncation(self.max_length)
-
-    def usage(self) -> str:
-        return ('send text as text/plain, or JSON {"text": "..."} or {"inputs": ["...", ...]} (one embedding '
-                'per text) with Content-Type application/json')
-
-    def decode_request(self, body, content_type=None):
-        media = _media_type(content_type)
-        if media in JSON_TYPES or isinstance(body, (dict, list)):
-            self.check_body(body)
-            doc = _parse_json(body)
-            if isinstance(doc, dict) and isinstance(doc.get("inputs"), list):
-                texts = doc["inputs"]
-                if not texts:
-                    raise RequestError(400, f"`inputs` is an empty list; {self.usage()}")
-                check_count(len(texts), self.max_texts)
-                rows = [self._encode(check_text(t, f"inputs[{i}]", self.usage())) for i, t in enumerate(texts)]
-                return Decoded(rows, {"many": True})
-        return Decoded([self.decode(body, content_type)], {"many": False})
-
-    def respond_request(self, row_outputs, meta):
-        if meta and meta.get("many"):
-            return [self.vector([r[0][None]], 0).tolist() for r in row_outputs]
-        return self.respond([o[None] for o in row_outputs[0]], 0)
-
-    def respond_request_bytes(self, row_outputs, decoded):
-        if decoded.meta and decoded.meta.get("many"):
-            return json_bytes([self.vector([r[0][None]], 0) for r in row_outputs])
-        return self.respond_bytes([o[None] for o in row_outputs[0]], 0, decoded.rows[0])
-
-    def _encode(self, text: str) -> dict[str, np.ndarray]:
-        enc = self.tokenizer.encode(text)
-        return {"input_ids": np.asarray(enc.ids, dtype=np.int64),
-                "attention_mask": np.asarray(enc.attention_mask, dtype=np.int64)}
-
-    def _decode(self, body, media):
-        encoding = "float"
-        if media in JSON_TYPES or isinstance(body, (dict, list)):
-            doc = _parse_json(body)
-            if isinstance(doc, dict):
-                text = doc.get("text", doc.get("inputs"))
-                encoding = doc.get("encoding_format", "float")
-                if encoding not in ("float", "base64"):
-                    raise RequestError(400, f'"encoding_format" is {encoding!r}: use "float" (JSON numbers, '
-                                            f'the default) or "base64" (little-endian float32, base64)')
-            else:
-                text = doc if isinstance(doc, str) else None
-            if not isinstance(text, str):
-                raise RequestError(400, f'JSON body must be {{"text": "<a string>"}}; got '
-                                        f"{type(doc).__name__} without a string `text`")
-        elif media == "" or media.startswith("text/"):
-            text = _text_of(body)
-        else:
-            raise RequestError(415, f"Content-Type {media!r} is not supported for text; {self.usage()}")
-        if not text.strip():
-            raise RequestError(400, f"text is empty; {self.usage()}")
-        sample = self._encode(text)
-        if encoding != "float":
-            sample["encoding_format"] = encoding
-        return sample
-
-    def collate(self, samples):
-        if not samples:
-            raise ValueError("collate needs at least one sample")
-        longest = max(len(s["input_ids"]) for s in samples)
-        ids = np.full((len(samples), longest), self.pad_id, dtype=np.int64)
-        mask = np.zeros((len(samples), longest), dtype=np.int64)
-        for row, s in enumerate(samples):
-            n = len(s["input_ids"])
-            ids[row, :n] = s["input_ids"]
-            mask[row, :n] = s["attention_mask"]
-        return {"input_ids": ids, "attention_mask": mask}
-
-    def vector(self, outputs, i) -> np.ndarray:
-        vector = np.ascontiguousarray(outputs[0][i], dtype=np.float32)
-        if self.normalize:
-            # The model ends with Normalize: a variant that ran it in half precision (ONNX fp16
-            # converts the whole graph) is brought back to a unit vector in fp32.
-            norm = float(np.linalg.norm(vector))
-            if norm > 0.0:
-                vector = vector / np.float32(norm)
-        return vector
-
-    def respond(self, outputs, i):
-        return {"embedding": self.vector(outputs, i).tolist()}
-
-    def respond_bytes(self, outputs, i, sample=None):
-        vector = self.vector(outputs, i)
-        if sample is not None and sample.get("encoding_format") == "base64":
-            # OpenAI's compact form: the float32 values, little-endian, base64-encoded.
-            return json_bytes({"embedding": base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii"),
-                               "encoding_format": "base64"})
-        return json_bytes({"embedding": vector})
-
-    def example_feeds(self, batch_size, seq_len=None):
-        # 16 tokens by default: a short sentence, enough to warm up (JIT, allocator) without
-        # slowing worker start; benchmarks pass their own length.
-        seq_len = int(seq_len or min(self.max_length, 16))
-        rng = np.random.default_rng(1234 + batch_size * 1000 + seq_len)
-        vocab = self.tokenizer.get_vocab_size()
-        low = min(1000, vocab // 2)   # skip special/unused ids at the start of BERT-style vocabularies
-        ids = rng.integers(low, vocab, size=(batch_size, seq_len), dtype=np.int64)
-        cls, sep = self.tokenizer.token_to_id("[CLS]"), self.tokenizer.token_to_id("[SEP]")
-        if cls is not None and sep is not None and seq_len >= 2:
-            ids[:, 0], ids[:, -1] = cls, sep
-        return {"input_ids": ids, "attention_mask": np.ones((batch_size, seq_len), dtype=np.int64)}
-
-    def example_requests(self, n, seed=0):
-        rng = random.Random(seed)
-        requests = []
-        for k in range(n):
-            # 5–15 words: the short-sentence traffic of the reference load (docs/handtuned.md); lengths vary,
-            # so batches need padding.
-            words = rng.randint(5, 15)
-            sentence = " ".join(rng.choice(_WORDS) for _ in range(words)).capitalize() + "."
-            if k % 2 == 0:
-                requests.append((sentence.encode("utf-8"), "text/plain"))
-            else:
-                requests.append((json.dumps({"text": sentence}).encode("utf-8"), "application/json"))
-        return requests
-
-
-ADAPTERS = {cls.kind: cls for cls in (TextEmbeddingAdapter,)}
-# Tasks in their own module (they import this one): loaded when first asked for.
-TASK_MODULES = {"tensor": ("task_tensor", "TensorAdapter"),
+# Each task in its own module (they import this one): loaded when first asked for.
+TASK_MODULES = {"text-embedding": ("task_embedding", "TextEmbeddingAdapter"),
+                "tensor": ("task_tensor", "TensorAdapter"),
                 "image-classification": ("task_image", "ImageClassificationAdapter"),
                 "text-classification": ("task_classification", "TextClassificationAdapter"),
                 "rerank": ("task_rerank", "RerankAdapter"),
                 "token-classification": ("task_tokens", "TokenClassificationAdapter")}
-KINDS = (*ADAPTERS, *TASK_MODULES)
+KINDS = tuple(TASK_MODULES)
 
 
 def adapter_class(kind: str) -> type:
-    if kind in ADAPTERS:
-        return ADAPTERS[kind]
     if kind not in TASK_MODULES:
         raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
     import importlib

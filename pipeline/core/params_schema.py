@@ -22,8 +22,9 @@ PKG_PREFIX = "pkg:"
 @dataclass(frozen=True)
 class TextParams:
     """Text tasks: how requests' texts are tokenized and how many one request may carry."""
-    max_length: int = 128          # tokens; longer texts are truncated, shorter padded to the batch's longest
-                                   # (token-classification refuses a longer text with 413: its offsets cover it all)
+    max_length: int = 128          # tokens per text, at most the folder's own limit; shorter rows padded to the batch's
+                                   # longest. Longer: text-embedding answers 413 unless the request sends
+                                   # "truncate": true (TEI), token-classification 413, the others truncate
     max_texts: int = 64            # texts (rows) one request may carry: a rerank query's candidates, a list to embed
 
 

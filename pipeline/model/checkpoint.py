@@ -35,7 +35,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeline.core.params import REPO_ROOT, Params, ParamsError, checkpoint_path
@@ -44,7 +43,9 @@ from pipeline.model.weights import (STATE_DICT_SUFFIXES, CheckpointError, KeyRep
                               check_readable, find_hf_weights, judge_missing, key_problem, load_into,
                               read_weights, state_dict_files)
 
+from handlers.pooling import POOLINGS, pool
 from pipeline.model import text_tasks
+from pipeline.model.sentence_folder import read_sentence_folder, tokenizer_settings
 from pipeline.model.text_tasks import TEXT_HEAD_TASKS
 
 log = logging.getLogger(__name__)
@@ -163,41 +164,29 @@ def build_from_factory(spec: str, kwargs: dict) -> nn.Module:
 
 # --------------------------------------------------------------------------- task wrappers
 class TextEmbeddingModel(nn.Module):
-    """HF encoder + pooling over attention_mask (+ L2 normalisation), as sentence-transformers does."""
+    """HF encoder (or decoder backbone) + the folder's pooling over attention_mask (+ L2
+    normalisation), as sentence-transformers computes them (handlers/pooling.py)."""
 
     def __init__(self, encoder: nn.Module, pooling: str = "mean", normalize: bool = True):
         super().__init__()
-        if pooling not in ("mean", "cls", "max", "mean_sqrt_len"):
-            raise CheckpointError(f"text-embedding pooling {pooling!r} is not supported (mean, cls, max, mean_sqrt_len)")
+        if pooling not in POOLINGS:
+            raise CheckpointError(f"text-embedding pooling {pooling!r} is not supported ({', '.join(POOLINGS)})")
         self.encoder = encoder
         self.pooling = pooling
         self.normalize = normalize
-        # Decided once here, not per call: e.g. DistilBERT takes no token_type_ids.
-        self.pass_token_types = "token_type_ids" in inspect.signature(encoder.forward).parameters
+        # Decided once here, not per call: e.g. DistilBERT takes no token_type_ids; a decoder
+        # backbone takes use_cache, which an embedding never needs (no KV cache in the graph).
+        accepted = inspect.signature(encoder.forward).parameters
+        self.pass_token_types = "token_type_ids" in accepted
+        self.no_cache = "use_cache" in accepted
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        kwargs = {"use_cache": False} if self.no_cache else {}
         # token_type_ids explicit: the encoder's own default slices a buffer by a shape-derived int.
         if self.pass_token_types:
-            out = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
-                               token_type_ids=torch.zeros_like(input_ids))
-        else:
-            out = self.encoder(input_ids=input_ids, attention_mask=attention_mask)
-        # Pooling and normalisation in fp32 whatever the encoder's dtype: a half-precision mean over
-        # the tokens and its L2 norm drift by ~1e-3, and clients take these vectors as unit vectors.
-        hidden = out.last_hidden_state.float()
-        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        if self.pooling == "cls":
-            pooled = hidden[:, 0]
-        elif self.pooling == "max":
-            pooled = hidden.masked_fill(mask == 0, -1e4).amax(dim=1)
-        else:
-            # Counts are whole numbers >= 1 for any real input.
-            counts = mask.sum(dim=1).clamp(min=1.0)
-            summed = (hidden * mask).sum(dim=1)
-            pooled = summed / counts if self.pooling == "mean" else summed / counts.sqrt()
-        if self.normalize:
-            pooled = F.normalize(pooled, p=2.0, dim=1)
-        return pooled
+            kwargs["token_type_ids"] = torch.zeros_like(input_ids)
+        out = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        return pool(out.last_hidden_state, attention_mask, self.pooling, self.normalize)
 
 
 class OutputsAsTuple(nn.Module):
@@ -273,33 +262,6 @@ def _load_hf(params: Params, folder: Path) -> tuple[nn.Module, list[Path]]:
     state = model.state_dict(keep_vars=True)
     report.missing = {k: state[k] for k in sorted(info.get("missing_keys") or []) if k in state}
     return model, [folder / "config.json", *weights.paths], report
-
-
-def _sentence_transformers_pooling(folder: Path) -> tuple[str, bool]:
-    """Pooling mode and normalisation from modules.json / 1_Pooling when present; mean + L2 otherwise."""
-    modules_file = folder / "modules.json"
-    if not modules_file.is_file():
-        return "mean", True
-    try:
-        modules = json.loads(modules_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{modules_file}: not valid JSON ({e})") from None
-    pooling, normalize = "mean", False
-    for m in modules:
-        kind = str(m.get("type", ""))
-        if kind.endswith("Normalize"):
-            normalize = True
-        elif kind.endswith("Pooling"):
-            cfg_file = folder / m.get("path", "") / "config.json"
-            if cfg_file.is_file():
-                cfg = json.loads(cfg_file.read_text())
-                modes = [mode for mode, key in (("cls", "pooling_mode_cls_token"), ("max", "pooling_mode_max_tokens"),
-                                                ("mean_sqrt_len", "pooling_mode_mean_sqrt_len_tokens"),
-                                                ("mean", "pooling_mode_mean_tokens")) if cfg.get(key)]
-                if len(modes) != 1:
-                    raise CheckpointError(f"{cfg_file}: exactly one pooling mode is supported, found {modes or 'none'}")
-                pooling = modes[0]
-    return pooling, normalize
 
 
 def _load_module(params: Params, path: Path) -> tuple[nn.Module, list[Path], Optional[KeyReport]]:
@@ -391,12 +353,16 @@ def _text_embedding(params: Params, path: Path) -> tuple[LoadedModel, Optional[K
     if not tokenizer.is_file():
         raise CheckpointError(f"{path}: tokenizer.json is missing; text-embedding needs the fast tokenizer file "
                               f"(save it with tokenizer.save_pretrained)")
+    folder = read_sentence_folder(path)          # before the weights: a refused folder costs no load
     encoder, sources, report = _load_module(params, path)
-    pooling, normalize = _sentence_transformers_pooling(path)
-    module = TextEmbeddingModel(encoder.float().eval(), pooling, normalize).eval()
-    hidden = getattr(getattr(encoder, "config", None), "hidden_size", None)
-    task = {"kind": "text-embedding", "max_length": params.model.text.max_length, "pooling": pooling,
-            "normalize": normalize, "dim": hidden, "tokenizer": "tokenizer.json"}
+    module = TextEmbeddingModel(encoder.float().eval(), folder.pooling, folder.normalize).eval()
+    config = getattr(encoder, "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    limits = {"model.text.max_length": params.model.text.max_length, "the folder's max_seq_length": folder.max_seq_length,
+              "config.json max_position_embeddings": getattr(config, "max_position_embeddings", None)}
+    limit_from, max_length = min(((k, int(v)) for k, v in limits.items() if v), key=lambda kv: kv[1])
+    task = {"kind": "text-embedding", "max_length": max_length, "max_length_from": limit_from,
+            "dim": hidden, "tokenizer": "tokenizer.json", **folder.as_task(), **tokenizer_settings(path)}
     seq = {0: "batch", 1: "sequence"}
     loaded = LoadedModel(module=module,
                          inputs=[InputSpec("input_ids", "int64", dict(seq)), InputSpec("attention_mask", "int64", dict(seq))],

@@ -74,6 +74,14 @@ def _checkpoint_problems(params: Params) -> Iterator[Problem]:
             yield Problem("model.checkpoint", m.checkpoint, f"a folder with tokenizer.json for task {m.task!r}: save "
                           f"the fast tokenizer beside the model (tokenizer.save_pretrained(folder))")
         yield from _head_problems(params, config)
+        if m.task == "text-embedding":
+            # The pooling, modules and prompts the folder asks for: refused here, before any work.
+            from pipeline.model.sentence_folder import read_sentence_folder
+            try:
+                read_sentence_folder(path)
+            except CheckpointError as e:
+                yield Problem("model.checkpoint", m.checkpoint, f"a folder whose sentence-transformers files the "
+                              f"pipeline serves: {e}")
     elif m.source == "state_dict":
         try:
             state_dict_files(path)

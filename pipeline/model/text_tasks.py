@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pipeline.core.params import Params
+from pipeline.model.sentence_folder import tokenizer_settings
 from pipeline.model.weights import CheckpointError
 
 SEQUENCE_TASKS = ("text-classification", "rerank")
@@ -31,13 +32,15 @@ class LogitsModel(nn.Module):
         super().__init__()
         self.model = model
         self.token_types = token_types
+        # A decoder backbone (a Qwen3-style reranker) scores without a KV cache.
+        self.no_cache = "use_cache" in inspect.signature(model.forward).parameters
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        kwargs = {"use_cache": False} if self.no_cache else {}
         if self.token_types:
-            return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                              token_type_ids=token_type_ids).logits
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+            kwargs["token_type_ids"] = token_type_ids
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
 
 
 def auto_class(task: str):
@@ -88,7 +91,7 @@ def text_head_model(params: Params, path: Path, load_module) -> tuple:
     max_length = min(params.model.text.max_length, int(getattr(config, "max_position_embeddings", 10 ** 9)))
     spec = {"kind": task, "max_length": max_length, "max_texts": params.model.text.max_texts,
             "tokenizer": "tokenizer.json", "labels": labels, "inputs": names,
-            "problem_type": getattr(config, "problem_type", None)}
+            "problem_type": getattr(config, "problem_type", None), **tokenizer_settings(path)}
     loaded = LoadedModel(module=LogitsModel(model, token_types).eval(),
                          inputs=[InputSpec(n, "int64", dict(seq)) for n in names],
                          outputs=["logits"], task=spec, extra_files={"tokenizer.json": tokenizer},

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
+from handlers.tasks import TASK_MODULES
 from pipeline.core.params import REPO_ROOT, Params, checkpoint_path, resolve_path
 
 log = logging.getLogger(__name__)
@@ -42,13 +43,13 @@ log = logging.getLogger(__name__)
 HANDLERS_DIR = REPO_ROOT / "handlers"
 # The handler modules an archive needs besides its entry module: shared logic, tasks, runtimes.
 # tasks.py imports the task_*.py modules on first use (handlers.tasks.TASK_MODULES): all are packed.
-TASK_FILES = ("task_tensor.py", "task_text.py", "task_classification.py", "task_rerank.py", "task_tokens.py",
-              "task_image.py")
+# task_text.py is the text tasks' shared base, imported by three of them.
+TASK_FILES = (*(f"{module}.py" for module, _ in TASK_MODULES.values()), "task_text.py")
 SERVING_MODULES = ("__init__.py", "serving.py", "tasks.py", *TASK_FILES, "encode.py", "profile.py", "runtime.py",
                    "runtime_torch.py", "runtime_onnx.py")
 ENTRY_HANDLERS = {"torch": "torch_handler.py", "onnx": "onnx_handler.py"}
 BASELINE_HANDLER = "baseline_handler.py"
-BASELINE_MODULES = ("__init__.py", "tasks.py", *TASK_FILES, "encode.py")
+BASELINE_MODULES = ("__init__.py", "tasks.py", *TASK_FILES, "encode.py", "pooling.py")
 PROVENANCE = "provenance.json"
 BASELINE_SPEC = "baseline.json"
 # The transformers class the baseline builds an hf folder with: the task's head (AutoModel has none

@@ -60,7 +60,10 @@ def bad_input_cases(task: str, cases: list[HttpCase], max_request_size: int) -> 
     elif task == "text-embedding":
         bad += [BadCase("invalid_json", "application/json", b'{"text": "unterminated'),
                 BadCase("wrong_content_type", "image/png", b"\x89PNG\r\n\x1a\n"),
-                BadCase("wrong_type", "application/json", b'{"text": 42}')]
+                BadCase("wrong_type", "application/json", b'{"text": 42}'),
+                BadCase("text_over_the_limit", "application/json", json.dumps({"text": _LONG}).encode()),
+                BadCase("unknown_prompt_name", "application/json",
+                        json.dumps({"text": "a query", "prompt_name": "no-such-prompt"}).encode())]
     elif task == "tensor":
         bad += [BadCase("invalid_json", "application/json", b"[[0.0, 1.0"),
                 BadCase("wrong_content_type", "image/png", b"\x89PNG\r\n\x1a\n")]

@@ -137,6 +137,15 @@ def hf_encoder(tmp_path):
     return folder
 
 
+def _pooling(folder, cfg: dict) -> None:
+    """A sentence-transformers folder whose 1_Pooling/config.json is `cfg`."""
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(cfg))
+
+
 FILE_MISTAKES = [
     ("missing checkpoint", lambda f: {**MODEL, "checkpoint": str(f.parent / "no-such-folder")},
      "model.checkpoint", "does not exist"),
@@ -159,6 +168,9 @@ FILE_MISTAKES = [
     ("factory module missing", lambda f: {"name": "m", "source": "state_dict", "task": "tensor", "input_shape": [4],
                                           "checkpoint": str(f / "model.safetensors"), "factory": "no_such_mod_xyz:build"},
      "model.factory", "`no_such_mod_xyz` is not installed"),
+    ("a pooling mode not served", lambda f: (_pooling(f, {"pooling_mode_medoid_tokens": True}),
+                                             {**MODEL, "checkpoint": str(f)})[1],
+     "model.checkpoint", "pooling_mode_medoid_tokens is not supported; supported: pooling_mode_cls_token"),
     ("torchscript not a TorchScript file", lambda f: {"name": "m", "source": "torchscript", "task": "tensor",
                                                       "input_shape": [4], "checkpoint": str(f / "config.json")},
      "model.checkpoint", "not one"),

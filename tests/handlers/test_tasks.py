@@ -57,9 +57,15 @@ def test_text_decode_accepts_every_body_form(text_adapter):
         np.testing.assert_array_equal(got["input_ids"], expected["input_ids"])
 
 
-def test_text_decode_truncates_to_max_length(text_adapter):
-    sample = text_adapter.decode(" ".join(["guitar"] * 100), "text/plain")
+def test_text_over_the_length_is_413_unless_the_request_truncates(text_adapter):
+    """TEI's semantics: never a silently different answer; `"truncate": true` cuts as sentence-transformers does."""
+    long = " ".join(["guitar"] * 100)
+    status, msg = status_of(text_adapter, long, "text/plain")
+    assert status == 413 and "limit of 32" in msg and '"truncate": true' in msg
+    sample = text_adapter.decode(json.dumps({"text": long, "truncate": True}), "application/json")
     assert len(sample["input_ids"]) == 32
+    status, msg = status_of(text_adapter, json.dumps({"text": "a", "truncate": "yes"}), "application/json")
+    assert status == 400 and "`truncate` must be true or false" in msg
 
 
 @pytest.mark.parametrize("body, ct, status, words", [

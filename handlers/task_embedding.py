@@ -1,0 +1,219 @@
+"""text-embedding: one vector per text, computed as the folder's sentence-transformers modules do.
+
+Requests: text/plain; JSON {"text": "..."} (one vector) or {"inputs": ["...", ...]} (one per text),
+with TEI's options: `prompt_name` (one of the folder's prompts, config_sentence_transformers.json;
+the folder's default prompt when none is named, as sentence-transformers does) and `truncate`
+(true: cut to the model's length as sentence-transformers does; absent/false: a text over the
+length is a 413 naming it, never a silently different answer). `encoding_format: "base64"` answers
+OpenAI's compact form.
+
+The tokenizer is the folder's as it defines it: its post-processor's tokens (a decoder backbone's
+appended end-of-text), its pad id and its padding side (a decoder pads LEFT); a batch of mixed lengths
+gives every row the answer it gets alone (the pooling reads the attention mask only).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import random
+
+import numpy as np
+
+from handlers.encode import json_bytes
+from handlers.tasks import (_WORDS, JSON_TYPES, Decoded, RequestError, TaskAdapter, _media_type, _parse_json,
+                            _text_of, check_count, check_keys, check_text)
+
+REQUEST_KEYS = ("text", "inputs", "prompt_name", "truncate", "encoding_format")
+
+
+class TextEmbeddingAdapter(TaskAdapter):
+    kind = "text-embedding"
+
+    def __init__(self, model_dir, task):
+        super().__init__(model_dir, task)
+        from tokenizers import Tokenizer   # only the text tasks need it
+        path = self.model_dir / self.task.get("tokenizer", "tokenizer.json")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: tokenizer.json missing from the model folder")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.max_length = int(self.task.get("max_length", 128))
+        self.normalize = bool(self.task.get("normalize", False))
+        self.max_texts = int(self.task.get("max_texts", 64))
+        self.prompts = dict(self.task.get("prompts") or {})
+        self.default_prompt = self.task.get("default_prompt_name")
+        self.left_padding = self.task.get("padding_side") == "left"
+        if self.task.get("pad_id") is not None:
+            self.pad_id = int(self.task["pad_id"])
+        else:
+            padding = self.tokenizer.padding or {}
+            pad_token = next((t for t in ("[PAD]", "<pad>") if self.tokenizer.token_to_id(t) is not None), None)
+            self.pad_id = int(padding.get("pad_id", self.tokenizer.token_to_id(pad_token) if pad_token else 0))
+        # tokenizer.json may ship fixed padding (MiniLM: 128) and its own truncation: padding is per
+        # batch in collate; a second tokenizer truncates, for the requests that ask for it.
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
+        self.truncating = Tokenizer.from_str(self.tokenizer.to_str())
+        self.truncating.enable_truncation(self.max_length)
+
+    def usage(self) -> str:
+        prompts = f', "prompt_name": one of {sorted(self.prompts)}' if self.prompts else ""
+        return ('send text as text/plain, or JSON {"text": "..."} or {"inputs": ["...", ...]} (one embedding '
+                f'per text), optionally with "truncate": true{prompts}, Content-Type application/json')
+
+    def decode_request(self, body, content_type=None):
+        media = _media_type(content_type)
+        if media in JSON_TYPES or isinstance(body, (dict, list)):
+            self.check_body(body)
+            doc = _parse_json(body)
+            if isinstance(doc, dict) and isinstance(doc.get("inputs"), list):
+                check_keys(doc, REQUEST_KEYS, "the request", self.usage())
+                texts = doc["inputs"]
+                if not texts:
+                    raise RequestError(400, f"`inputs` is an empty list; {self.usage()}")
+                check_count(len(texts), self.max_texts)
+                prompt, truncate = self._options(doc)
+                rows = [self._encode(check_text(t, f"inputs[{i}]", self.usage()), prompt, truncate, f"inputs[{i}]")
+                        for i, t in enumerate(texts)]
+                return Decoded(rows, {"many": True})
+        return Decoded([self.decode(body, content_type)], {"many": False})
+
+    def respond_request(self, row_outputs, meta):
+        if meta and meta.get("many"):
+            return [self.vector([r[0][None]], 0).tolist() for r in row_outputs]
+        return self.respond([o[None] for o in row_outputs[0]], 0)
+
+    def respond_request_bytes(self, row_outputs, decoded):
+        if decoded.meta and decoded.meta.get("many"):
+            return json_bytes([self.vector([r[0][None]], 0) for r in row_outputs])
+        return self.respond_bytes([o[None] for o in row_outputs[0]], 0, decoded.rows[0])
+
+    def _options(self, doc: dict) -> tuple[str, bool]:
+        """The prompt text (the named one, else the folder's default, else none) and whether to truncate."""
+        name = doc.get("prompt_name")
+        if name is not None and not isinstance(name, str):
+            raise RequestError(400, f"`prompt_name` must be a string, got {type(name).__name__}; {self.usage()}")
+        if name is not None and name not in self.prompts:
+            raise RequestError(400, f"`prompt_name` {name!r} is not one of this model's prompts: "
+                                    + (", ".join(sorted(self.prompts)) if self.prompts else "it has none"))
+        truncate = doc.get("truncate", False)
+        if not isinstance(truncate, bool):
+            raise RequestError(400, f"`truncate` must be true or false, got {truncate!r}")
+        return self._prompt(name), truncate
+
+    def _prompt(self, name=None) -> str:
+        name = name if name is not None else self.default_prompt
+        return self.prompts.get(name, "") if name is not None else ""
+
+    def _encode(self, text: str, prompt: str = "", truncate: bool = False, what: str = "the text") -> dict:
+        # sentence-transformers prepends the prompt to the text before tokenizing.
+        enc = (self.truncating if truncate else self.tokenizer).encode(prompt + text)
+        if len(enc.ids) > self.max_length:
+            raise RequestError(413, f"{what} is {len(enc.ids)} tokens{' with its prompt' if prompt else ''}, over the "
+                                    f"model's limit of {self.max_length}; send \"truncate\": true to cut it "
+                                    f"(as sentence-transformers does) or split it")
+        return {"input_ids": np.asarray(enc.ids, dtype=np.int64),
+                "attention_mask": np.asarray(enc.attention_mask, dtype=np.int64)}
+
+    def _decode(self, body, media):
+        encoding, prompt, truncate = "float", self._prompt(), False
+        if media in JSON_TYPES or isinstance(body, (dict, list)):
+            doc = _parse_json(body)
+            if isinstance(doc, dict):
+                check_keys(doc, REQUEST_KEYS, "the request", self.usage())
+                text = doc.get("text", doc.get("inputs"))
+                encoding = doc.get("encoding_format", "float")
+                if encoding not in ("float", "base64"):
+                    raise RequestError(400, f'"encoding_format" is {encoding!r}: use "float" (JSON numbers, '
+                                            f'the default) or "base64" (little-endian float32, base64)')
+                prompt, truncate = self._options(doc)
+            else:
+                text = doc if isinstance(doc, str) else None
+            if not isinstance(text, str):
+                raise RequestError(400, f'JSON body must be {{"text": "<a string>"}}; got '
+                                        f"{type(doc).__name__} without a string `text`")
+        elif media == "" or media.startswith("text/"):
+            text = _text_of(body)
+        else:
+            raise RequestError(415, f"Content-Type {media!r} is not supported for text; {self.usage()}")
+        if not text.strip():
+            raise RequestError(400, f"text is empty; {self.usage()}")
+        sample = self._encode(text, prompt, truncate)
+        if encoding != "float":
+            sample["encoding_format"] = encoding
+        return sample
+
+    def collate(self, samples):
+        if not samples:
+            raise ValueError("collate needs at least one sample")
+        longest = max(len(s["input_ids"]) for s in samples)
+        ids = np.full((len(samples), longest), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(samples), longest), dtype=np.int64)
+        for row, s in enumerate(samples):
+            n = len(s["input_ids"])
+            cols = slice(longest - n, longest) if self.left_padding else slice(0, n)
+            ids[row, cols] = s["input_ids"]
+            mask[row, cols] = s["attention_mask"]
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def vector(self, outputs, i) -> np.ndarray:
+        vector = np.ascontiguousarray(outputs[0][i], dtype=np.float32)
+        if self.normalize:
+            # The model ends with Normalize: a variant that ran it in half precision (ONNX fp16
+            # converts the whole graph) is brought back to a unit vector in fp32.
+            norm = float(np.linalg.norm(vector))
+            if norm > 0.0:
+                vector = vector / np.float32(norm)
+        return vector
+
+    def respond(self, outputs, i):
+        return {"embedding": self.vector(outputs, i).tolist()}
+
+    def respond_bytes(self, outputs, i, sample=None):
+        vector = self.vector(outputs, i)
+        if sample is not None and sample.get("encoding_format") == "base64":
+            # OpenAI's compact form: the float32 values, little-endian, base64-encoded.
+            return json_bytes({"embedding": base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii"),
+                               "encoding_format": "base64"})
+        return json_bytes({"embedding": vector})
+
+    def example_feeds(self, batch_size, seq_len=None):
+        # 16 tokens by default: a short sentence, enough to warm up (JIT, allocator) without
+        # slowing worker start; benchmarks pass their own length.
+        seq_len = int(seq_len or min(self.max_length, 16))
+        rng = np.random.default_rng(1234 + batch_size * 1000 + seq_len)
+        vocab = self.tokenizer.get_vocab_size()
+        low = min(1000, vocab // 2)   # skip special/unused ids at the start of BERT-style vocabularies
+        ids = rng.integers(low, vocab, size=(batch_size, seq_len), dtype=np.int64)
+        cls, sep = self.tokenizer.token_to_id("[CLS]"), self.tokenizer.token_to_id("[SEP]")
+        if cls is not None and sep is not None and seq_len >= 2:
+            ids[:, 0], ids[:, -1] = cls, sep
+        return {"input_ids": ids, "attention_mask": np.ones((batch_size, seq_len), dtype=np.int64)}
+
+    def example_requests(self, n, seed=0):
+        rng = random.Random(seed)
+        names = sorted(self.prompts)
+        requests = []
+        for k in range(n):
+            # 5–15 words: the short-sentence traffic of the reference load (docs/handtuned.md); lengths vary,
+            # so batches need padding. A query under each of the folder's prompts in turn (TEI's prompt_name).
+            name = names[(k // 3) % len(names)] if names and k % 3 == 2 else None
+            words = [rng.choice(_WORDS) for _ in range(rng.randint(5, 15))]
+            doc = self._fitting(words, self._prompt(name))
+            if name is not None:
+                requests.append((json.dumps({**doc, "prompt_name": name}).encode("utf-8"), "application/json"))
+            elif k % 2 == 0 and "truncate" not in doc:
+                requests.append((doc["text"].encode("utf-8"), "text/plain"))
+            else:
+                requests.append((json.dumps(doc).encode("utf-8"), "application/json"))
+        return requests
+
+    def _fitting(self, words: list, prompt: str) -> dict:
+        """A sentence of `words` within the model's length (a small vocabulary spells words in many
+        tokens): words dropped from the end until it fits, else the request asks to truncate."""
+        while True:
+            text = " ".join(words).capitalize() + "."
+            if len(self.tokenizer.encode(prompt + text).ids) <= self.max_length:
+                return {"text": text}
+            if len(words) == 1:
+                return {"text": text, "truncate": True}
+            words = words[:-1]
