@@ -1,5 +1,7 @@
-"""A Qwen3-Embedding-shaped folder (scripts/make_decoder_model.py; weights no other test uses) in a
-REAL TorchServe, built by the pipeline's own steps: under 8 concurrent clients, documents of mixed
+"""Today's embedding and rerank architectures in a REAL TorchServe, built by the pipeline's own steps,
+against sentence-transformers (weights no other test uses): a ModernBERT embedder past its sliding
+window; a Qwen3-style decoder reranker, scores equal to `CrossEncoder.predict` within 0.01 in the same
+order; a Qwen3-Embedding-shaped folder (scripts/make_decoder_model.py): under 8 concurrent clients, documents of mixed
 lengths and `prompt_name` queries share batches (left-padded), and every served vector equals
 `SentenceTransformer(folder).encode` in fp32 (cosine >= 0.999, unit norm within 1e-3); an unknown
 prompt name, an over-long text and a misspelt option get a 4xx naming the problem, their batch-mates
@@ -73,3 +75,51 @@ def test_served_vectors_equal_sentence_transformers_under_concurrent_load(tmp_pa
     for vector, t in zip(many, texts[:8]):
         assert float(np.asarray(vector) @ want[("doc", t)]) >= 0.999
     assert alive == 200
+
+
+def _serve(tmp_path, folder, task: str, name: str, text: dict):
+    from pipeline.core.params import parse_params
+    from pipeline.serve.variant_server import serve_variant
+    params = parse_params({"model": {"name": name, "source": "hf", "checkpoint": str(folder), "task": task,
+                                     "text": text}, "variants": ["eager"], "benchmark": {"batch_sizes": [1, 4]},
+                           "conversion": {"golden_batches": 2}})
+    return serve_variant(params, tmp_path, settings={"batch_size": 8, "max_batch_delay_ms": 100})
+
+
+def _post_all(ts, bodies: list) -> list:
+    def post(body):
+        r = ts.api.predict(json.dumps(body).encode(), "application/json")
+        return r.status, r.json()
+    with ThreadPoolExecutor(8) as clients:
+        return list(clients.map(post, bodies))
+
+
+def test_served_modernbert_equals_sentence_transformers_past_its_window(tmp_path):
+    from scripts.make_modernbert_model import build as build_modernbert
+    from tests.model.test_decoder_embedding import MODERN_TEXTS
+    folder = build_modernbert(tmp_path / "model", seed=12)
+    st = sentence_transformer(folder)
+    want = st.encode(MODERN_TEXTS, batch_size=1)
+    served = _serve(tmp_path, folder, "text-embedding", "tiny-modernbert", {"max_length": 128})
+    with served.ts as ts:
+        answers = _post_all(ts, [{"text": t} for t in MODERN_TEXTS] * 2)
+    for (status, body), w in zip(answers, list(want) * 2):
+        assert status == 200 and float(np.asarray(body["embedding"]) @ w) >= 0.999
+
+
+def test_served_decoder_reranker_equals_cross_encoder(tmp_path):
+    import torch
+    from sentence_transformers import CrossEncoder
+    from scripts.make_decoder_model import build_reranker
+    from tests.model.test_decoder_embedding import DOCUMENTS, QUERY
+    folder = build_reranker(tmp_path / "model", seed=13)
+    ce = CrossEncoder(str(folder), device="cpu", model_kwargs={"dtype": torch.float32})
+    queries = [QUERY, "what happened on the market today"]
+    want = {q: ce.predict([(q, d) for d in DOCUMENTS], batch_size=1) for q in queries}
+    served = _serve(tmp_path, folder, "rerank", "tiny-qwen3-reranker", {"max_length": 64, "max_texts": 8})
+    with served.ts as ts:
+        answers = _post_all(ts, [{"query": q, "texts": DOCUMENTS} for q in queries] * 3)
+    for (status, body), q in zip(answers, queries * 3):
+        assert status == 200, body
+        assert [b["index"] for b in body] == list(np.argsort(-want[q], kind="stable"))
+        assert max(abs(b["score"] - float(want[q][b["index"]])) for b in body) < 0.01
