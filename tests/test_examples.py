@@ -19,8 +19,10 @@ from pipeline.core.params import ParamsError, load_params, parse_params
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO_ROOT / "examples"
-TEXT_TASKS = ("text-classification", "rerank", "token-classification")    # built by `make examples`
-MAKE_MODEL = re.compile(r"python scripts/make_text_task_model\.py ((?:--\S+ \S+ ?)+)")
+TEXT_TASKS = ("text-classification", "rerank", "token-classification")    # scripts/make_text_task_model.py
+FAMILIES = ("decoder-embedding", "decoder-rerank", "modernbert-embedding")  # their own scripts/make_*.py
+BUILT = TEXT_TASKS + FAMILIES                                               # built by `make examples`
+MAKE_MODEL = re.compile(r"python (scripts/make_\w+\.py) ((?:--\S+ \S+ ?)+)")
 FENCE = re.compile(r"^```(\S*)\s*$")
 SCORE_ATOL = 1e-4
 
@@ -65,13 +67,15 @@ def curl_cases(readme: Path) -> list[Case]:
     return cases
 
 
-def make_model_args(readme: Path, task: str) -> list[str]:
-    """The README's command for this example's model, as the script's arguments."""
-    found = [shlex.split(m.group(1)) for m in MAKE_MODEL.finditer(readme.read_text(encoding="utf-8"))]
-    assert found, f"{readme}: no `python scripts/make_text_task_model.py ...` command for the model"
-    args = found[0]
-    assert args[args.index("--task") + 1] == task and args[args.index("--out") + 1] == f"examples/{task}/model", args
-    return args
+def make_model_command(readme: Path, folder: str) -> tuple[str, list[str]]:
+    """The README's command for this example's model: the script and its arguments."""
+    found = [(m.group(1), shlex.split(m.group(2))) for m in MAKE_MODEL.finditer(readme.read_text(encoding="utf-8"))]
+    assert found, f"{readme}: no `python scripts/make_*.py ...` command for the model"
+    script, args = found[0]
+    assert args[args.index("--out") + 1] == f"examples/{folder}/model", args
+    if folder in TEXT_TASKS:
+        assert script == "scripts/make_text_task_model.py" and args[args.index("--task") + 1] == folder, args
+    return script, args
 
 
 def example_params(task: str, checkpoint: Path | None = None):
@@ -81,12 +85,12 @@ def example_params(task: str, checkpoint: Path | None = None):
     return parse_params(data)
 
 
-def build_example_model(task: str, out: Path) -> Path:
+def build_example_model(folder: str, out: Path) -> Path:
     """The example's model, made by the README's own command with only --out moved to `out`."""
-    from scripts.make_text_task_model import main
-    args = make_model_args(EXAMPLES / task / "README.md", task)
+    import importlib
+    script, args = make_model_command(EXAMPLES / folder / "README.md", folder)
     args[args.index("--out") + 1] = str(out)
-    assert main(args) == 0
+    assert importlib.import_module(script[:-3].replace("/", ".")).main(args) == 0
     return out
 
 
@@ -124,9 +128,10 @@ def differences(got, want, path: str = "answer") -> list[str]:
 def test_every_example_params_file_validates(path):
     params = load_params(path)
     assert params.model.name and params.model.task
-    if params.model.task in TEXT_TASKS:
-        assert path.parent.name == params.model.task
-        assert params.model.checkpoint == f"examples/{params.model.task}/model"
+    if path.parent.name in BUILT:
+        assert params.model.checkpoint == f"examples/{path.parent.name}/model"
+    if path.parent.name in TEXT_TASKS:
+        assert params.model.task == path.parent.name
 
 
 def test_every_example_folder_has_a_row_and_a_guide():
@@ -134,9 +139,9 @@ def test_every_example_folder_has_a_row_and_a_guide():
     readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
     for folder in sorted(p for p in EXAMPLES.iterdir() if p.is_dir()):
         assert f"`{folder.name}/`" in table, f"examples/README.md has no row for {folder.name}/"
-    for task in (*TEXT_TASKS, "text-embedding"):
-        assert (EXAMPLES / task / "README.md").is_file()
-        assert f"(examples/{task}/README.md)" in readme, f"README.md links no example for {task}"
+    for folder in (*BUILT, "text-embedding"):
+        assert (EXAMPLES / folder / "README.md").is_file()
+        assert f"(examples/{folder}/README.md)" in readme, f"README.md links no example for {folder}"
 
 
 def test_example_readmes_links_resolve():
@@ -152,15 +157,18 @@ def test_example_readmes_links_resolve():
 
 
 # --------------------------------------------------------------------------- making the models
-@pytest.mark.parametrize("task", TEXT_TASKS)
-def test_text_examples_say_how_their_model_is_made(task):
-    make_model_args(EXAMPLES / task / "README.md", task)
-    header = (EXAMPLES / task / "params.yaml").read_text()
-    assert f"python scripts/make_text_task_model.py --task {task} --out examples/{task}/model" in header
-    assert "make examples" in header
+@pytest.mark.parametrize("folder", BUILT)
+def test_text_examples_say_how_their_model_is_made(folder):
+    script, args = make_model_command(EXAMPLES / folder / "README.md", folder)
+    command = f"python {script} {' '.join(args)}"
+    header = (EXAMPLES / folder / "params.yaml").read_text()
+    assert command in header and "make examples" in header
     makefile = (REPO_ROOT / "Makefile").read_text()
-    tasks = re.search(r"^EXAMPLE_TASKS\s*:=\s*(.+)$", makefile, re.MULTILINE)
-    assert tasks and task in tasks.group(1).split(), "make examples does not build this example's model"
+    if folder in TEXT_TASKS:
+        tasks = re.search(r"^EXAMPLE_TASKS\s*:=\s*(.+)$", makefile, re.MULTILINE)
+        assert tasks and folder in tasks.group(1).split(), "make examples does not build this example's model"
+    else:
+        assert f"$(BIN)/{command}" in makefile, "make examples does not build this example's model"
     assert re.search(r"^examples:", makefile, re.MULTILINE)
     assert "/examples/*/model/" in (REPO_ROOT / ".gitignore").read_text().splitlines()
 
@@ -190,23 +198,38 @@ def test_an_example_params_file_with_a_bad_key_is_refused(tmp_path):
 @pytest.fixture(scope="module")
 def example_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("example_models")
-    return {task: build_example_model(task, root / task) for task in TEXT_TASKS}
+    return {folder: build_example_model(folder, root / folder) for folder in BUILT}
 
 
-@pytest.mark.parametrize("task", TEXT_TASKS)
-def test_readme_requests_are_answered_as_shown(task, example_models):
+def figures(vectors: list) -> tuple:
+    """What an embedding README's one-liner prints: the count, the size, the first's cosine with each."""
+    return len(vectors), len(vectors[0]), [sum(a * b for a, b in zip(vectors[0], v)) for v in vectors]
+
+
+def shown_figures(text: str) -> tuple:
+    count, size, cosines = text.strip().split(" ", 2)
+    return int(count), int(size), json.loads(cosines)
+
+
+@pytest.mark.parametrize("folder", BUILT)
+def test_readme_requests_are_answered_as_shown(folder, example_models):
     from handlers.tasks import make_adapter
     from pipeline.model.checkpoint import load_model
-    params = example_params(task, checkpoint=example_models[task])
+    params = example_params(folder, checkpoint=example_models[folder])
     loaded = load_model(params)
-    adapter = make_adapter(example_models[task], loaded.task)
-    cases = curl_cases(EXAMPLES / task / "README.md")
-    assert len(cases) >= 2, "each text example shows at least two requests"
+    adapter = make_adapter(example_models[folder], loaded.task)
+    cases = curl_cases(EXAMPLES / folder / "README.md")
+    assert len(cases) >= (1 if folder == "modernbert-embedding" else 2), "the example shows its requests"
     for case in cases:
         assert case.model_name == params.model.name, "the curl asks another model than params.yaml names"
+        got = answered(loaded, adapter, case)
+        if params.model.task == "text-embedding":
+            assert case.answer_lang == "text", f"the figures after {case.body[:60]!r} are not a ```text block"
+            (n, size, cosines), (want_n, want_size, want) = figures(got), shown_figures(case.answer)
+            assert (n, size) == (want_n, want_size) and max(abs(c - w) for c, w in zip(cosines, want)) < 2e-4, got
+            continue
         assert case.answer_lang == "json", f"the answer to {case.body[:60]!r} is not a ```json block"
         want = json.loads(case.answer)
-        got = answered(loaded, adapter, case)
         assert differences(got, want) == [], (case.body, got)
 
 

@@ -288,17 +288,21 @@ def _load_module(params: Params, path: Path) -> tuple[nn.Module, list[Path], Opt
 
 
 def _example_hint(path: Path) -> str | None:
-    """The examples' text models are built, not committed (examples/README.md): say how to make one."""
+    """The examples' text models are built, not committed (examples/README.md): the command its
+    params.yaml names (`# make examples  # or: python scripts/...`)."""
     examples = REPO_ROOT / "examples"
     try:
-        task = path.resolve().relative_to(examples.resolve()).parts[0]
+        folder = path.resolve().relative_to(examples.resolve()).parts[0]
     except (ValueError, IndexError):
         return None
-    if task not in TEXT_HEAD_TASKS:
+    params_file = examples / folder / "params.yaml"
+    lines = params_file.read_text(encoding="utf-8").splitlines() if params_file.is_file() else []
+    command = next((line.split("# or:", 1)[1].strip() for line in lines if "make examples" in line and "# or:" in line),
+                   None)
+    if command is None:
         return None
-    return (f"the example models are built, not committed: run `make examples` (or `python "
-            f"scripts/make_text_task_model.py --task {task} --out examples/{task}/model`), see "
-            f"examples/{task}/README.md")
+    return (f"the example models are built, not committed: run `make examples` (or `{command}`), see "
+            f"examples/{folder}/README.md")
 
 
 def load_model(params: Params) -> LoadedModel:
