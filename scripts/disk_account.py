@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(rec, indent=2) + "\n")
     print(f"disk: {total / 2**30:.2f} GB on disk (workspace {workspace / 2**30:.2f} + cache {cache_extra / 2**30:.2f}"
           f" + ONNX export cache {export_cache / 2**30:.2f}), "
-          f"{rec['ratio_to_checkpoint']}x the checkpoint's weights; unlinked cached files {before} -> {after}")
+          f"{rec['ratio_to_checkpoint']}x the checkpoint's weights as fp32; unlinked cached files {before} -> {after}")
     return 0 if after == 0 else 1
 
 

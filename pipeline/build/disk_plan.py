@@ -21,7 +21,9 @@ per filesystem, the largest: those stages run one after another.
 """
 from __future__ import annotations
 
+import json
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,12 +124,37 @@ def human(n: int) -> str:
 
 
 def weight_bytes(checkpoint: Path) -> int:
-    """Bytes of weights in a checkpoint file or folder (tokenizers and configs left out)."""
+    """Bytes of the checkpoint's weights AS FP32, the unit of the plan's factors (tokenizers and
+    configs left out): a checkpoint published in bf16 or fp16 (Qwen3-Embedding ships bf16) is
+    counted at twice its size, what its fp32 variants write."""
     checkpoint = Path(checkpoint)
     if checkpoint.is_file():
-        return checkpoint.stat().st_size
+        return _as_fp32(checkpoint)
     files = [p for p in checkpoint.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)]
-    return sum(p.stat().st_size for p in files)
+    return sum(_as_fp32(p) for p in files)
+
+
+# Bytes of fp32 per byte of a stored floating dtype (safetensors' dtype names).
+FP32_SCALE = {"F16": 2, "BF16": 2, "F8_E4M3": 4, "F8_E5M2": 4}
+
+
+def _as_fp32(path: Path) -> int:
+    """The file's size with its half-precision tensors counted as fp32 (safetensors' header says
+    each tensor's dtype; other formats count as stored)."""
+    size = path.stat().st_size
+    if not path.name.endswith(".safetensors"):
+        return size
+    try:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    except (OSError, ValueError, struct.error):
+        return size                     # unreadable: the checkpoint stage names it
+    extra = 0
+    for name, tensor in header.items():
+        if name != "__metadata__" and isinstance(tensor, dict):
+            start, end = tensor.get("data_offsets", (0, 0))
+            extra += (end - start) * (FP32_SCALE.get(tensor.get("dtype"), 1) - 1)
+    return size + extra
 
 
 def links_into_cache(workspace: Path, cache: Path, cache_types: Iterable[str]) -> bool:

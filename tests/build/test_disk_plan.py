@@ -120,6 +120,18 @@ def test_weight_bytes_counts_weights_not_tokenizers(tmp_path):
     assert weight_bytes(ckpt) == ckpt.stat().st_size
 
 
+def test_a_half_precision_checkpoint_counts_as_its_fp32_variants_write(tmp_path):
+    """Qwen3-Embedding ships bf16: its fp32 variants write twice the checkpoint's bytes."""
+    import torch
+    from safetensors.torch import save_file
+    tensors = {"w": torch.zeros(256, 256), "ids": torch.zeros(100, dtype=torch.int64)}
+    save_file(tensors, str(tmp_path / "fp32.safetensors"))
+    save_file({"w": tensors["w"].bfloat16(), "ids": tensors["ids"]}, str(tmp_path / "bf16.safetensors"))
+    fp32, bf16 = weight_bytes(tmp_path / "fp32.safetensors"), weight_bytes(tmp_path / "bf16.safetensors")
+    assert (tmp_path / "bf16.safetensors").stat().st_size < 0.6 * fp32
+    assert abs(bf16 - fp32) <= 64                   # the headers' lengths differ, nothing else
+
+
 def test_convert_stage_stops_before_converting_on_a_small_disk(small_fs):
     """The stage, run from a copy of the repo on the small filesystem, refuses with exit code 2 and
     writes no variant folder."""
