@@ -10,9 +10,12 @@ The tests and the worked example (examples/decoder-embedding/) use it.
 
     python scripts/make_decoder_embedder.py --out examples/decoder-embedding/model
 
-`--layers/--hidden/--heads/--kv-heads/--vocab` give the real shape (Qwen3-Embedding-0.6B: 28 layers,
-hidden 1024, 16 / 8 heads; its vocabulary is 151,669 tokens: --vocab sizes the embedding table, the
-tokenizer stays small and its ids sit at the start of the table).
+`--layers/--hidden/--heads/--kv-heads/--head-dim/--vocab` give the real shape (Qwen3-Embedding-0.6B:
+28 layers, hidden 1024, 16 / 8 heads of 128; its vocabulary is 151,669 tokens: --vocab sizes the
+embedding table, the tokenizer stays small and its ids sit at the start of the table):
+
+    python scripts/make_decoder_model.py --out /tmp/qwen3-0.6b --layers 28 --hidden 1024 --heads 16 \
+        --kv-heads 8 --head-dim 128 --vocab 151669 --init-std 0.02
 """
 from __future__ import annotations
 
@@ -55,37 +58,39 @@ def build_tokenizer(out: Path, vocab_size: int = 600, model_max_length: int = 32
 
 
 def qwen3_config(fast, *, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int | None,
-                 max_positions: int, **extra):
+                 max_positions: int, head_dim: int | None = None, **extra):
     import transformers
     return transformers.Qwen3Config(
         vocab_size=max(vocab or 0, len(fast)), hidden_size=hidden, intermediate_size=3 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=hidden // heads, max_position_embeddings=max_positions, rope_theta=1000000.0,
+        head_dim=head_dim or hidden // heads, max_position_embeddings=max_positions, rope_theta=1000000.0,
         tie_word_embeddings=True, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
         bos_token_id=None, use_cache=False, **extra)
 
 
-def _spread(model, seed: int):
-    """Weights wider than the 0.02 init, from `seed`: distinct texts get clearly distinct answers."""
+def _spread(model, seed: int, std: float = 0.2):
+    """Weights from `seed`, wider than the 0.02 init for the small shapes: distinct texts get clearly
+    distinct answers (a deep, wide shape keeps 0.02, or its activations overflow half precision)."""
     import torch
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.normal_(0.0, 0.2)
+                p.normal_(0.0, std)
     return model.eval()
 
 
 def build(out: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-          vocab: int | None = None, max_seq_length: int = 8192, dtype: str = "bfloat16") -> Path:
+          vocab: int | None = None, max_seq_length: int = 8192, dtype: str = "bfloat16", head_dim: int | None = None,
+          init_std: float = 0.2) -> Path:
     """The Qwen3-Embedding-shaped sentence-transformers folder."""
     import torch
     import transformers
     out.mkdir(parents=True, exist_ok=True)
     fast = build_tokenizer(out)
     config = qwen3_config(fast, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
-                          max_positions=max(max_seq_length, 512))
-    model = _spread(transformers.Qwen3Model(config), seed)
+                          max_positions=max(max_seq_length, 512), head_dim=head_dim)
+    model = _spread(transformers.Qwen3Model(config), seed, init_std)
     model.to(getattr(torch, dtype)).save_pretrained(str(out))
     (out / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -106,15 +111,17 @@ def build(out: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, heads:
 
 
 def build_reranker(out: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4,
-                   kv_heads: int = 2, vocab: int | None = None, dtype: str = "bfloat16") -> Path:
+                   kv_heads: int = 2, vocab: int | None = None, dtype: str = "bfloat16", head_dim: int | None = None,
+                   init_std: float = 0.2) -> Path:
     """A Qwen3ForSequenceClassification cross-encoder: one logit `relevance`, left padding, pad = eos."""
     import torch
     import transformers
     out.mkdir(parents=True, exist_ok=True)
     fast = build_tokenizer(out, model_max_length=8192)
     config = qwen3_config(fast, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
-                          max_positions=8192, num_labels=1, id2label={0: "relevance"}, label2id={"relevance": 0})
-    model = _spread(transformers.Qwen3ForSequenceClassification(config), seed)
+                          max_positions=8192, head_dim=head_dim, num_labels=1, id2label={0: "relevance"},
+                          label2id={"relevance": 0})
+    model = _spread(transformers.Qwen3ForSequenceClassification(config), seed, init_std)
     model.to(getattr(torch, dtype)).save_pretrained(str(out))
     return out
 
@@ -129,10 +136,13 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=None, help="rows of the embedding table (default: the tokenizer's)")
+    ap.add_argument("--head-dim", type=int, default=None, help="per attention head (default hidden / heads; "
+                                                                   "Qwen3-Embedding-0.6B: 128)")
+    ap.add_argument("--init-std", type=float, default=0.2, help="the weights' spread (0.02 for a deep, wide shape)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = ap.parse_args(argv)
     shape = dict(seed=args.seed, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-                 vocab=args.vocab, dtype=args.dtype)
+                 vocab=args.vocab, dtype=args.dtype, head_dim=args.head_dim, init_std=args.init_std)
     print(build(args.out, **shape) if args.task == "text-embedding" else build_reranker(args.out, **shape))
     return 0
 

@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
-from pipeline.model.checkpoint import free_memory
+from pipeline.model.loaded import free_memory
 from pipeline.core.params import REPO_ROOT, Tolerance
 from pipeline.build.variants.base import Artifact, BuildContext, Converter
 from pipeline.accuracy.verify import Verification, fp16_range_violation, verify_variant

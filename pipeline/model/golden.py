@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from handlers.tasks import TaskAdapter, make_adapter
-from pipeline.model.checkpoint import LoadedModel
+from pipeline.model.loaded import LoadedModel
 from pipeline.core.params import Params
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,7 @@ from handlers.task_classification import default_function
 from handlers.task_image import RESAMPLE, apply_recipe, check_recipe
 from pipeline.core.params import ImageParams, Params, resolve_path
 from pipeline.model.text_tasks import labels_of
+from pipeline.model.loaded import InputSpec, LoadedModel
 from pipeline.model.weights import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -214,7 +215,6 @@ def _labels(params: Params, module: nn.Module, folder: Optional[Path], num_class
 def image_classification_model(params: Params, module: nn.Module, sources: list[Path], wrapped: nn.Module,
                                folder: Optional[Path]):
     """The LoadedModel of an image classifier; `wrapped` returns the logits of `module`."""
-    from pipeline.model.checkpoint import InputSpec, LoadedModel    # checkpoint imports this module lazily
     recipe = image_recipe(params, folder)
     try:
         height, width = check_recipe(recipe)

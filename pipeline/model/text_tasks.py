@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pipeline.core.params import Params
+from pipeline.model.loaded import InputSpec, LoadedModel
 from pipeline.model.sentence_folder import tokenizer_settings
 from pipeline.model.weights import CheckpointError
 
@@ -69,7 +70,6 @@ def labels_of(config, folder: Path) -> list[str]:
 def text_head_model(params: Params, path: Path, load_module) -> tuple:
     """(LoadedModel, KeyReport | None) for a text task with a classification head.
     `load_module(params, path)` is checkpoint._load_module (the safe HF reader)."""
-    from pipeline.model.checkpoint import InputSpec, LoadedModel   # checkpoint imports this module lazily
     task = params.model.task
     if params.model.source != "hf":
         raise CheckpointError(f"task {task!r} needs `model.source: hf` (a Hugging Face folder with config.json, "
