@@ -134,3 +134,30 @@ def test_a_later_onnx_variant_reuses_the_fused_export_without_fusing_again(text_
     meta = json.loads((tmp_path / "later" / "variant.json").read_text())
     assert meta["export"]["reused"] and meta["fusion"]["applied"] and meta["fusion"]["reused"]
     assert _ops(tmp_path / "later" / "model.onnx")[("com.microsoft", "MultiHeadAttention")] == 2
+
+
+@pytest.mark.parametrize("family", ["decoder", "modernbert"])
+def test_decoder_and_modernbert_graphs_fuse_and_compute_what_the_export_does(family, make_params, tmp_path):
+    """A Qwen3-style decoder (RMSNorm, rotary, grouped-query SDPA under a causal + left-padding mask)
+    and ModernBERT (rotary, global + sliding-window SDPA, GeGLU): ORT's contrib ops, the outputs held."""
+    if family == "decoder":
+        from scripts.make_decoder_model import build
+        want_ops = {"MultiHeadAttention", "SkipSimplifiedLayerNormalization"}
+    else:
+        from scripts.make_modernbert_model import build
+        want_ops = {"MultiHeadAttention", "Gelu"}
+    folder = build(tmp_path / "model", seed=4)
+    params = make_params({"name": f"tiny-{family}", "source": "hf", "checkpoint": str(folder),
+                          "task": "text-embedding", "text": {"max_length": 48}})
+    loaded = load_model(params)
+    golden = write_golden(params, loaded, tmp_path / "golden")
+    raw = _export(loaded, golden, tmp_path / "export")
+    feeds = check_feeds(golden)
+    assert (feeds[0]["attention_mask"] == 0).any()
+    before = _run(raw, feeds)
+    record = fuse_attention(raw, None, feeds)
+    assert record["applied"], record
+    ops = {op for domain, op in _ops(raw) if domain == "com.microsoft"}
+    assert want_ops <= ops, ops
+    for want, got in zip(before, _run(raw, feeds)):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)

@@ -5,7 +5,8 @@ not attention: its attention patterns are the TorchScript exporter's. Left unfus
 attention is ~25 nodes (Reshape/Transpose per head split, MatMul, scale, mask Add, Softmax, MatMul,
 Transpose/Reshape back). onnxscript, the dynamo exporter's own library, carries rewrite rules for the
 dynamo graph's forms; this module applies the ones that end in ORT's MultiHeadAttention contrib op:
-erf-Gelu → Gelu, scaled-dot-product attention → SDPA → MultiHeadAttention with the Q/K/V biases.
+erf-Gelu → Gelu, scaled-dot-product attention → SDPA → MultiHeadAttention with the Q/K/V biases; a
+decoder's RMSNorm → SimplifiedLayerNormalization, its rotary embedding and grouped-query attention.
 A graph with a third of the nodes: less for ORT to set up when a session is created, and one fused
 kernel per layer's attention instead of its chain of small ops.
 
@@ -31,20 +32,38 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 ATOL, RTOL = 1e-4, 1e-3        # fp32 graph against fp32 graph: a reordered softmax differs by ~1e-7
-FUSED_OPS = ("MultiHeadAttention", "Gelu")
+FUSED_OPS = ("MultiHeadAttention", "GroupQueryAttention", "Gelu", "RotaryEmbedding", "SimplifiedLayerNormalization",
+             "SkipSimplifiedLayerNormalization")
 
 
 def _rules():
-    """(name, function, kwargs) in the order onnxscript's own optimize_for_ort applies them."""
+    """(name, function, kwargs) in the order onnxscript's own fuse_xformers applies them, without its
+    packed-QKV `Attention` (the int8 builds must see the three projections' MatMuls) and without the
+    LayerNorm fusions ORT's session optimiser makes itself. A decoder backbone's RMSNorm, rotary
+    embedding and grouped-query SDPA (Qwen3, Llama) and an encoder's SDPA that no MHA pattern took
+    (ModernBERT's rotary layers) end in ORT's contrib ops too."""
+    from onnxscript.rewriter.ort_fusions.cos_sin_cache import fuse_cos_sin_cache
     from onnxscript.rewriter.ort_fusions.erfgelu import fuse_erfgelu
+    from onnxscript.rewriter.ort_fusions.gqa import fuse_gqa
     from onnxscript.rewriter.ort_fusions.mha import fuse_mha1, fuse_mha2
     from onnxscript.rewriter.ort_fusions.mha_bias import fuse_mha_bias
     from onnxscript.rewriter.ort_fusions.mha_scale import fuse_mha_scale
+    from onnxscript.rewriter.ort_fusions.rms_normalization import fuse_rms_normalization
+    from onnxscript.rewriter.ort_fusions.rotary_embedding import fuse_partial_rotary_embedding, fuse_rotary_embedding
     from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa
+    from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
+    from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
     return (("erf_gelu", fuse_erfgelu, {}),
+            ("rms_normalization", fuse_rms_normalization, {}),
+            ("skip_rms_normalization", fuse_skip_rms_normalization, {}),
+            ("rotary_embedding", fuse_rotary_embedding, {}),
+            ("cos_sin_cache", fuse_cos_sin_cache, {}),
+            ("partial_rotary_embedding", fuse_partial_rotary_embedding, {}),
             ("sdpa", fuse_sdpa, {"apply_shape_inference": True}),   # its rules add nodes shape inference types
+            ("gqa", fuse_gqa, {}),
             ("mha1", fuse_mha1, {}), ("mha2", fuse_mha2, {}), ("mha_scale", fuse_mha_scale, {}),
-            ("mha_bias", fuse_mha_bias, {}))
+            ("mha_bias", fuse_mha_bias, {}),
+            ("sdpa_via_mha", replace_sdpa_by_mha, {}))
 
 
 def _fused_model(path: Path):
@@ -114,7 +133,7 @@ def fuse_attention(raw: Path, data_name: Optional[str], feeds: list[dict],
             return record
         record["rewrites"] = {k: v for k, v in counts.items() if v}
         if not any(n.op_type in FUSED_OPS and n.domain == "com.microsoft" for n in model.graph):
-            record["reason"] = "no attention or Gelu pattern of the dynamo exporter's in this graph"
+            record["reason"] = "no attention, normalization or Gelu pattern of the dynamo exporter's in this graph"
             return record
         import onnx_ir as ir
         record["nodes"] = [before, sum(1 for _ in model.graph)]
