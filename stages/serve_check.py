@@ -1,18 +1,17 @@
-"""serve_check: prove the .mar in a real TorchServe and compare it with the naive baseline.
+"""serve_check: prove the .mar in a real TorchServe and compare it with the references.
 
     python -m stages.serve_check
 
-Reads artifacts/model_store/<name>.mar + artifacts/serve/config.properties, the references' recipes
-artifacts/baseline/ and artifacts/handtuned/ and artifacts/golden/http_cases.json; writes
-metrics/serve_check.json, with the winner, the hand-tuned reference and the baseline measured again
-in interleaved rounds (`references`). The references' .mar files exist only while this stage runs:
-packed from their recipes into a scratch directory (.scratch/ on the workspace's filesystem, where
-they used to be kept) before the first server starts, removed when the stage ends, by an error too
-(pipeline/serve/reference_archives.py). For task rerank, also a rerank load
-(`serve_check.rerank_texts` texts per query from `rerank_clients` clients) in rows/s against the
-model alone on the same requests, measured right after it (`rerank_load`). Exits non-zero when the model
-never becomes READY, HTTP parity fails, a request is lost or gets a 5xx, or bad input is not
-rejected cleanly.
+Reads artifacts/model_store/<name>.mar + artifacts/serve/config.properties,
+artifacts/golden/http_cases.json and metrics/references.json (the references stage: the hand-tuned
+setup and the naive baseline, measured once per host, model, load and recipe); writes
+metrics/serve_check.json: the winner's READY, HTTP parity, bad input and load at the expected
+concurrency, the server's ceilings served beside it (a do-nothing model at the winner's config), and
+the comparison with the references (`references`, measured in their own run: `measured_at` says when).
+For task rerank, also a rerank load (`serve_check.rerank_texts` texts per query from `rerank_clients`
+clients) in rows/s against the model alone on the same requests, measured right after it
+(`rerank_load`). Exits non-zero when the model never becomes READY, HTTP parity fails, a request is
+lost or gets a 5xx, or bad input is not rejected cleanly.
 """
 from __future__ import annotations
 
@@ -22,17 +21,16 @@ import sys
 from typing import Optional
 
 from pipeline.core.params import ParamsError, as_dict, load_concurrency, load_params
-from pipeline.core.paths import (BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, MODEL_STORE, SCRATCH_DIR, SERVE_CHECK_JSON,
-                                 SERVE_DIR, benchmark_json, variant_dir)
+from pipeline.core.paths import (GOLDEN_DIR, MODEL_STORE, REFERENCES_JSON, SERVE_CHECK_JSON, SERVE_DIR, benchmark_json,
+                                 variant_dir)
 from pipeline.core.numbers import rounded
-from pipeline.serve.archive import ArchiveError
 from pipeline.serve.load import LOAD_KIND
 from pipeline.serve.ceiling import (CEILING, CEILING_EMPTY, ceiling_spec, model_alone_rps, served_bound,
                                     served_size_answer, served_variant)
 from pipeline.serve.http_cases import load_http_cases, tolerance_from_mar
-from pipeline.serve.reference_archives import RECIPE, build_reference, scratch_dir
+from pipeline.serve.references import setups_at_slo
 from pipeline.serve.rerank_load import failures_of, measure_rerank_load, rerank_cases
-from pipeline.serve.serve_check import ServerSpec, serve_check
+from pipeline.serve.serve_check import ServerSpec, serve_check, with_baseline
 from pipeline.serve.server_floor import measure_server_floor, readiness_vs_floor
 from pipeline.serve.startup_check import startup_evidence
 from pipeline.serve.torchserve import start_command_env
@@ -65,8 +63,9 @@ def main(argv=None) -> int:
         tol = as_dict(params.conversion.tolerances["float32"])
         log.warning("%s has no provenance.json tolerance; using the float32 tolerance %s", mar, tol)
     sc = params.serve_check
-    if sc.baseline and not (BASELINE_DIR / RECIPE).is_file():
-        log.error("%s is missing; run the archive stage, or set serve_check.baseline: false", BASELINE_DIR / RECIPE)
+    refs = read_references(params)
+    if isinstance(refs, str):
+        log.error("%s", refs)
         return 2
     derivation_path = SERVE_DIR / "derivation.json"
     derivation = json.loads(derivation_path.read_text()) if derivation_path.is_file() else None
@@ -79,42 +78,20 @@ def main(argv=None) -> int:
         log.error("%s is missing (derivation.json chose the %s store form); re-run the archive stage",
                   MODEL_STORE / store_entry(name, form), form)
         return 2
-    handtuned = handtuned_setup(params)
-    with scratch_dir(SCRATCH_DIR) as scratch:
-        built: dict = {}
-        packing_error: list = []
-
-        def pack_references():
-            # Packed after the winner's own starts: GBs of archives written just before would have
-            # pushed the winner's files and libraries out of the page cache, and its READY with them.
-            try:
-                built.update(build_references(params, handtuned, scratch))
-            except (ArchiveError, OSError) as e:
-                packing_error.append(e)
-                return None
-            return ServerSpec(name, built["baseline"].store, built["baseline"].config) if "baseline" in built else None
-
-        alternate = next((spec for f, spec in forms.items() if f != form), None)
-        record = serve_check(forms[form], pack_references, cases, task=params.model.task,
-                             atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,
-                             concurrency=load_concurrency(params)[0], time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s,
-                             alternate=alternate,
-                             store_form=form, startup=startup_evidence(derivation))
-        if packing_error:
-            log.error("could not pack the references' archives in %s: %s", scratch, packing_error[0])
-            return 2
-        baseline = ServerSpec(name, built["baseline"].store, built["baseline"].config) if "baseline" in built else None
-        if record["ok"] and params.model.task == "rerank":
-            # Issue 26: rows/s of a rerank load against the model's own rows/s at the batches it formed.
-            record["rerank_load"] = rerank_load(params, forms[form], derivation)
-            record["failures"] += failures_of(record["rerank_load"])
-            record["ok"] = not record["failures"]
-        if record["ok"]:
-            record["references"] = references(params, forms[form], baseline, record, cases, handtuned,
-                                              built.get("handtuned"))
-    record["reference_archives"] = {"scratch": str(scratch), "removed": not scratch.exists(),
-                                    **{k: b.as_record(BASELINE_DIR if k == "baseline" else HANDTUNED_DIR)
-                                       for k, b in built.items()}}
+    alternate = next((spec for f, spec in forms.items() if f != form), None)
+    record = serve_check(forms[form], None, cases, task=params.model.task,
+                         atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,
+                         concurrency=load_concurrency(params)[0], time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s,
+                         alternate=alternate, store_form=form, startup=startup_evidence(derivation))
+    with_baseline(record, refs.get("baseline_detail") if sc.baseline else None)
+    if record["ok"] and params.model.task == "rerank":
+        # Issue 26: rows/s of a rerank load against the model's own rows/s at the batches it formed.
+        record["rerank_load"] = rerank_load(params, forms[form], derivation)
+        record["failures"] += failures_of(record["rerank_load"])
+        record["ok"] = not record["failures"]
+    if record["ok"]:
+        record["references"] = references(params, forms[form], record, cases, refs)
+    record["reference_archives"] = refs.get("reference_archives")
     # The server's own floor, as the model is served (pipeline/serve/server_floor.py): READY is judged
     # against floor + raw read of the artifact. The empty-answer ceiling served in the references'
     # rounds is that start already (a do-nothing model, the served config, workers and environment,
@@ -158,44 +135,34 @@ def floor_from_ceiling(references: Optional[dict], workers: int) -> Optional[dic
             "workers": workers, "primed": True, "measured_by": CEILING_EMPTY}
 
 
-def handtuned_setup(params) -> dict:
-    """handtuned.json of the archive stage, or why the hand-tuned reference is not served."""
-    from pipeline.serve.handtuned import read_handtuned
-    name = params.model.name
-    if not params.serve_check.handtuned:
-        return {"available": False, "reason": "serve_check.handtuned is false"}
-    handtuned = read_handtuned(HANDTUNED_DIR)
-    if handtuned.get("available") and handtuned.get("model") != name:
-        return {"available": False, "reason": f"{HANDTUNED_DIR} holds model {handtuned.get('model')!r}, not "
-                                              f"{name!r}: re-run the archive stage"}
-    return handtuned
+def read_references(params):
+    """metrics/references.json of the references stage, or the message saying what to run. A record
+    of another model, load or set of references is stale: the references stage runs first in dvc repro."""
+    sc = params.serve_check
+    if not (sc.baseline or sc.handtuned):
+        return {}
+    try:
+        refs = json.loads(REFERENCES_JSON.read_text())
+    except (OSError, ValueError) as e:
+        return f"{REFERENCES_JSON} is missing or unreadable ({e}); run the references stage (dvc repro references)"
+    clients = load_concurrency(params)[0]
+    wanted = {"model": params.model.name, "concurrency": clients}
+    stale = {k: refs.get(k) for k, v in wanted.items() if refs.get(k) != v}
+    if sc.baseline and "baseline" not in (refs.get("setups") or {}):
+        stale["setups"] = sorted(refs.get("setups") or {})
+    if stale:
+        return (f"{REFERENCES_JSON} was measured for {stale}, not {wanted}; re-run the references stage "
+                f"(dvc repro references)")
+    return refs
 
 
-def build_references(params, handtuned: dict, scratch) -> dict:
-    """The references' .mar files packed from their recipes into `scratch` (one model store each)."""
-    built = {}
-    if params.serve_check.baseline:
-        built["baseline"] = build_reference(BASELINE_DIR, scratch / "baseline", params.model.name)
-    if handtuned.get("available"):
-        built["handtuned"] = build_reference(HANDTUNED_DIR, scratch / "handtuned", params.model.name)
-    return built
-
-
-def references(params, winner: ServerSpec, baseline, record: dict, cases, handtuned: dict,
-               handtuned_built=None) -> dict:
-    """Winner, hand-tuned reference (packed from artifacts/handtuned/) and baseline in interleaved
-    rounds (pipeline/serve/reference_rounds.py); the checks already run count as round 1."""
+def references(params, winner: ServerSpec, record: dict, cases, refs: dict) -> dict:
+    """The winner and the server's ceilings (a do-nothing handler served as the model is) in rounds
+    (pipeline/serve/reference_rounds.py; the checks already run count as round 1), beside the
+    hand-tuned setup and the naive baseline as the references stage measured them."""
     from pipeline.serve.reference_rounds import interleaved_rounds, ratios
     sc, name = params.serve_check, params.model.name
     specs, first = {"winner": winner}, {"winner": record["winner"]}
-    if handtuned.get("available") and handtuned_built is not None:
-        specs["handtuned"] = ServerSpec(name, handtuned_built.store, handtuned_built.config,
-                                        mar=handtuned.get("mar"), env=start_command_env(1))
-    else:
-        log.warning("hand-tuned reference not measured: %s", handtuned.get("reason"))
-    if baseline is not None and record.get("baseline_detail"):
-        specs["baseline"], first["baseline"] = baseline, record["baseline_detail"]
-    # The server's own ceiling: a do-nothing handler served as the model is, in the same rounds.
     if (SERVE_DIR / "model-config.yaml").is_file():
         specs[CEILING] = ceiling_spec(name, SERVE_DIR / "model-config.yaml", winner.config, env=winner.env,
                                       answer=served_size_answer([c.expected for c in cases]))
@@ -207,18 +174,29 @@ def references(params, winner: ServerSpec, baseline, record: dict, cases, handtu
                                 slo_ms=params.serve.latency_slo_ms, first_round=first,
                                 decided_band=sc.decided_band, warmup_s=sc.warmup_s,
                                 uncompared=frozenset({CEILING, CEILING_EMPTY}))
+    wanted = {"handtuned"} if sc.handtuned else set()
+    setups.update({k: v for k, v in setups_at_slo(refs, params.serve.latency_slo_ms).items()
+                   if k in wanted | ({"baseline"} if sc.baseline else set())})
+    handtuned = refs.get("handtuned_setup") or {"available": False, "reason": "serve_check.handtuned is false"}
+    if "handtuned" not in setups:
+        log.warning("hand-tuned reference not measured: %s", handtuned.get("reason"))
     out = {"rounds": sc.rounds, "decided_band": sc.decided_band,
-           "rounds_served": {n: len(s_["rounds"]) for n, s_ in setups.items()}, "concurrency": clients, "concurrency_from": clients_from, "latency_slo_ms": params.serve.latency_slo_ms,
+           "rounds_served": {n: len(s_["rounds"]) for n, s_ in setups.items()}, "concurrency": clients,
+           "concurrency_from": clients_from, "latency_slo_ms": params.serve.latency_slo_ms,
            "handtuned_setup": handtuned,
            "setups": setups,
            "ratios_handtuned": ratios(setups["winner"], setups["handtuned"]) if "handtuned" in setups else None,
-           "ratios_baseline": ratios(setups["winner"], setups["baseline"]) if "baseline" in setups else None}
+           "ratios_baseline": ratios(setups["winner"], setups["baseline"]) if "baseline" in setups else None,
+           "measured": {"winner": "this run", "references": refs.get("measured_at"),
+                        "references_host": refs.get("host"), "references_seconds": refs.get("seconds"),
+                        "from": str(REFERENCES_JSON.relative_to(REFERENCES_JSON.parents[1])),
+                        "interleaved_with_winner": False}}
     out["load"] = {"clients": clients, "clients_from": clients_from, "connections": "keep-alive, one per client (as production clients hold them)",
                    "client": LOAD_KIND, "warmup_s": sc.warmup_s, "requests": sc.requests, "time_cap_s": sc.time_cap_s,
                    "bodies": "the golden HTTP cases, cycled (the task's example requests)"}
     out["bound"] = bound_of(name, setups, cases, earlier)
     if out["ratios_handtuned"]:
-        log.info("winner / hand-tuned over %d interleaved rounds: %s", sc.rounds, out["ratios_handtuned"])
+        log.info("winner / hand-tuned (measured %s): %s", refs.get("measured_at"), out["ratios_handtuned"])
     b = out["bound"]
     log.info("served %s req/s of a bound %s (ceiling %s, model alone %s): %s", b["served_rps"], b["bound_rps"],
              b["ceiling_rps"], b["model_alone_rps"], b["served_vs_bound"])

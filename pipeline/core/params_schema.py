@@ -265,11 +265,12 @@ class ServeCheckParams:
     # within 5% or this many seconds have passed: a fresh TorchServe answers its first thousands of
     # requests at a fraction of its rate (JIT of the frontend).
     warmup_s: float = 10.0
-    baseline: bool = True                      # also serve the naive baseline (default handler, fp32 eager, batch 1)
-    handtuned: bool = True                     # also serve the hand-tuned ONNX reference (pipeline/serve/handtuned.py)
-    rounds: int = 2                            # winner, hand-tuned and baseline served in interleaved rounds...
-    # ...a reference again only while its comparison is undecided: throughput, p99 or READY within
-    # this share of parity (0: every round for every setup)
+    # The references stage serves these once per host, model, load and recipe (metrics/references.json):
+    baseline: bool = True                      # the naive baseline (default handler, fp32 eager, batch 1)
+    handtuned: bool = True                     # the hand-tuned ONNX reference (pipeline/serve/handtuned.py)
+    rounds: int = 2                            # the references' interleaved rounds; the winner's with the ceilings...
+    # ...served again only while a comparison is undecided: throughput, p99 or READY within this
+    # share of parity (0: every round for every setup)
     decided_band: float = 0.25
     # Task rerank only (issue 26): a load of this many texts per query from this many keep-alive
     # clients against the winner, its rows/s against the model's own offline rows/s at the batches

@@ -24,7 +24,8 @@ TUNING_METRICS = METRICS / "tuning.json"             # tune: duration, served ve
 HANDTUNED_DIR = ARTIFACTS / "handtuned"              # archive: the hand-tuned ONNX reference (recipe of <name>.mar + config.properties)
 MODEL_STORE = ARTIFACTS / "model_store"              # archive: <name>.mar
 BASELINE_DIR = ARTIFACTS / "baseline"                # archive: the naive baseline (recipe of <name>.mar + config.properties)
-SCRATCH_DIR = REPO_ROOT / ".scratch"                 # serve_check: the references' .mar while served (removed after)
+SCRATCH_DIR = REPO_ROOT / ".scratch"                 # references: the references' .mar while served (removed after)
+REFERENCES_JSON = METRICS / "references.json"       # references: the hand-tuned setup and the baseline, served
 SERVE_CHECK_JSON = METRICS / "serve_check.json"      # serve_check
 KSERVE_DIR = ARTIFACTS / "kserve"
 

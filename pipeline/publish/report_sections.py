@@ -159,7 +159,8 @@ def serve_check_blocks(inputs: ReportInputs) -> list[Block]:
                          "it needs Java 17 and TorchServe). The figures below come from the benchmark only.")]
     base = sc.get("baseline") or {}
     ratios = sc.get("ratios") or {}
-    b.append(Para("The first load of each (one run; the decision above gives the medians of the interleaved rounds)."))
+    b.append(Para("The first load of each (the baseline's from the references stage; the decision above gives the "
+                  "served figures)."))
     b.append(Table(["figure", f"winner ({winner(inputs)})", "baseline"],
                    [[label, conv(sc.get(k)), conv(base.get(k))] for label, k, conv in SERVE_CHECK_ROWS]))
     emb = sc.get("parity_embedding") or {}

@@ -64,7 +64,7 @@ def served_figures(inputs: ReportInputs) -> dict:
     if setup.get("throughput_rps") is not None:
         rounds = len(setup.get("rounds") or [])
         src = (f"median of {rounds} interleaved rounds against the references" if rounds > 1
-               else "one round against the references")
+               else "one load, beside the server's ceilings")
         fig = setup
     elif sc.get("throughput_rps") is not None:
         src, fig = "one load", sc

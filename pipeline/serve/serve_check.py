@@ -265,6 +265,14 @@ def serve_check(winner: ServerSpec, baseline: ServerSpec | Callable[[], Optional
     return record
 
 
+def with_baseline(record: dict, baseline: Optional[dict]) -> dict:
+    """`record` (serve_check's) with the naive baseline's figures and the winner / baseline ratios,
+    from the baseline's check_server record as the references stage measured it (None: none)."""
+    record.update(baseline=_flat(baseline) if baseline else None, baseline_detail=baseline,
+                  ratios=_ratios(record["winner"], baseline))
+    return record
+
+
 def _flat(r: dict) -> dict:
     load = r.get("load") or {}
     parity = r.get("parity") or {}

@@ -1,10 +1,10 @@
-"""Outputs stored once (issue 30): the references' .mar files exist only while serve_check serves
-them, and the published layouts link the variant's bytes instead of copying them.
+"""Outputs stored once (issue 30): the references' .mar files exist only while the references stage
+serves them, and the published layouts link the variant's bytes instead of copying them.
 
 On the committed tensor example (examples/tensor): the archive stage's functions write the naive
 baseline's and the hand-tuned reference's recipes (their model files named where they lie), the
-serve_check stage packs both into its scratch directory and removes it — after a pass, after a
-failed check, after an exception, after a recipe that no longer matches its files — and the folder
+references stage packs both into its scratch directory and removes it — after a pass, after a
+failed serve, after an exception, after a recipe that no longer matches its files — and the folder
 form and the KServe layout are hard links to the variant's and the .mar's files. The servers are
 stand-ins here (what they are handed is checked); tests/serve/test_serve_check.py and
 test_handtuned.py serve the packed references in a real TorchServe."""
@@ -61,51 +61,45 @@ def archived(tmp_path, make_params, monkeypatch):
     (art / "golden" / "http_cases.json").write_text(json.dumps(
         [{"id": "c0", "content_type": "application/json", "body": "[1]", "expected": [1]}]))
     (inputs["serve_dir"] / "config.properties").write_text("default_workers_per_model=1\n")
+    import stages.references as refs_stage
     import stages.serve_check as stage
     params_file = tmp_path / "params.yaml"
     params_file.write_text(json.dumps({"model": TENSOR_MODEL, "variants": ["eager", "torchscript", "onnx"],
                                        "serve_check": {"requests": 8, "concurrency": 2, "rounds": 2}}))
     monkeypatch.setenv("PIPELINE_PARAMS", str(params_file))
     for attr, value in (("MODEL_STORE", store), ("SERVE_DIR", inputs["serve_dir"]), ("GOLDEN_DIR", art / "golden"),
-                        ("BASELINE_DIR", art / "baseline"), ("HANDTUNED_DIR", art / "handtuned"),
-                        ("SERVE_CHECK_JSON", tmp_path / "serve_check.json"), ("SCRATCH_DIR", tmp_path / ".scratch")):
+                        ("REFERENCES_JSON", tmp_path / "references.json"),
+                        ("SERVE_CHECK_JSON", tmp_path / "serve_check.json")):
         monkeypatch.setattr(stage, attr, value)
-    return stage, art, inputs, tmp_path / ".scratch"
+    for attr, value in (("GOLDEN_DIR", art / "golden"), ("BASELINE_DIR", art / "baseline"),
+                        ("HANDTUNED_DIR", art / "handtuned"), ("REFERENCES_JSON", tmp_path / "references.json"),
+                        ("SCRATCH_DIR", tmp_path / ".scratch")):
+        monkeypatch.setattr(refs_stage, attr, value)
+    return refs_stage, art, inputs, tmp_path / ".scratch"
 
 
 class StandIns:
-    """The stage's servers replaced: what each would start is recorded, and checked to be a real,
-    complete archive in the scratch directory at that moment."""
+    """The references stage's servers replaced: what each would start is recorded, and checked to be
+    a real, complete archive in the scratch directory at that moment."""
 
     def __init__(self, monkeypatch, stage, outcome="pass"):
         self.specs, self.outcome, self.scratch = {}, outcome, stage.SCRATCH_DIR
-        monkeypatch.setattr(stage, "measure_server_floor", lambda **kw: {"ready": True, "ready_s": 1.0})
-        monkeypatch.setattr(stage, "serve_check", self.serve_check)
-        monkeypatch.setattr(stage, "references", self.references)
+        monkeypatch.setattr(stage, "measure_references", self.measure)
 
-    def serve_check(self, winner, baseline, cases, **kw):
-        # The winner is started before any reference archive is written (its files stay cached).
-        self.archives_before_winner = list(self.scratch.rglob("*.mar"))
-        baseline = baseline() if callable(baseline) else baseline
-        if baseline is None:
-            return {"ready": False, "failures": ["no baseline"], "ok": False}
-        self.specs["baseline"] = self._check(baseline)
+    def measure(self, specs, cases, **kw):
+        self.specs = {name: self._check(spec) for name, spec in specs.items()}
         if self.outcome == "raise":
             raise RuntimeError("the server died")
         ok = self.outcome == "pass"
-        flat = {"ready": ok, "ready_s": 2.0, "parity_ok": ok, "requests_ok": 8, "requests_sent": 8,
-                "p99_ms": 10.0, "throughput_rps": 100.0}
-        return {**flat, "winner": flat, "baseline_detail": flat, "ratios": {"load": 1, "throughput": 1, "p99": 1},
-                "ok": ok, "failures": [] if ok else ["the model never became READY: stand-in"]}
-
-    def references(self, params, winner, baseline, record, cases, handtuned, handtuned_built=None):
-        self.specs["handtuned"] = self._check(handtuned_built)
-        return {"setups": {}}
+        rounds = [{"round": 1, "ok": ok, "ready_s": 2.0, "throughput_rps": 100.0 if ok else None, "p99_ms": 10.0}]
+        return {"measured_at": "2026-12-07T00:00:00+00:00", "seconds": 1.0,
+                "setups": {n: {"rounds": rounds} for n in specs}, "rounds_served": {n: 1 for n in specs},
+                "baseline_detail": {"ready": ok, "ready_s": 2.0, "load": {"requests_ok": 8}}}
 
     @staticmethod
     def _check(spec) -> dict:
-        """`spec`: the ServerSpec the stage starts, or the packed reference it starts one from."""
-        store = getattr(spec, "model_store", None) or spec.store
+        """`spec`: the ServerSpec the stage starts from a packed reference."""
+        store = spec.model_store
         mar = store / f"{NAME}.mar"
         with zipfile.ZipFile(mar) as z:
             names = set(z.namelist())
@@ -136,7 +130,7 @@ def test_the_recipes_name_the_model_files_and_hold_no_archive(archived):
     assert "model_store" not in read_properties(art / "handtuned" / "config.properties")
 
 
-def test_serve_check_packs_the_references_in_scratch_and_leaves_no_reference_bytes(archived, monkeypatch):
+def test_the_references_stage_packs_them_in_scratch_and_leaves_no_reference_bytes(archived, monkeypatch):
     stage, art, inputs, scratch = archived
     before = sorted((p, p.stat().st_size) for p in reference_files(art))
     stand_ins = StandIns(monkeypatch, stage)
@@ -150,10 +144,12 @@ def test_serve_check_packs_the_references_in_scratch_and_leaves_no_reference_byt
     assert not scratch.exists()
     assert sorted((p, p.stat().st_size) for p in reference_files(art)) == before
     assert [p.relative_to(art) for p in art.rglob("*.mar")] == [Path("model_store", f"{NAME}.mar")]
-    record = json.loads(stage.SERVE_CHECK_JSON.read_text())["reference_archives"]
-    assert record["removed"] is True
-    assert record["baseline"]["mar_bytes"] == base["bytes"] and record["handtuned"]["mar_bytes"] == hand["bytes"]
-    assert stand_ins.archives_before_winner == []
+    record = json.loads(stage.REFERENCES_JSON.read_text())
+    assert record["reference_archives"]["removed"] is True
+    assert record["reference_archives"]["baseline"]["mar_bytes"] == base["bytes"]
+    assert record["reference_archives"]["handtuned"]["mar_bytes"] == hand["bytes"]
+    # What serve_check needs to judge whether the record is still the one for its run.
+    assert record["model"] == NAME and record["concurrency"] == 2 and record["handtuned_setup"]["available"]
 
 
 @pytest.mark.parametrize("outcome", ["fail", "raise"])
@@ -164,7 +160,9 @@ def test_the_scratch_dir_is_removed_when_serving_fails(archived, monkeypatch, ou
         with pytest.raises(RuntimeError, match="the server died"):
             stage.main([])
     else:
-        assert stage.main([]) == 1
+        assert stage.main([]) == 0                      # a reference that failed is recorded, not fatal
+        rounds = json.loads(stage.REFERENCES_JSON.read_text())["setups"]["baseline"]["rounds"]
+        assert rounds[0]["ok"] is False
     assert stand_ins.specs["baseline"]["bytes"] > 0        # it was built, then served
     assert not scratch.exists() and not list(art.glob("baseline/**/*.mar"))
 
@@ -235,11 +233,16 @@ def test_the_kserve_layout_links_the_model_store(archived, tmp_path, form):
 
 
 def test_the_floor_is_the_empty_ceiling_s_start_when_it_was_served(archived, monkeypatch):
-    """Issue 30: the empty-answer ceiling of the references' rounds is a do-nothing model served as the
+    """Issue 30: the empty-answer ceiling served beside the winner is a do-nothing model served as the
     model is, after the run's earlier starts: its READY is the server floor, and no do-nothing server
     is started twice more for it. Without it, the floor is measured as before."""
-    stage, *_ = archived
-    StandIns(monkeypatch, stage)
+    refs_stage, *_ = archived
+    StandIns(monkeypatch, refs_stage)
+    assert refs_stage.main([]) == 0                  # metrics/references.json, as serve_check reads it
+    import stages.serve_check as stage
+    flat = {"ready": True, "ready_s": 2.0, "parity_ok": True, "requests_ok": 8, "requests_sent": 8, "p99_ms": 10.0,
+            "throughput_rps": 100.0}
+    monkeypatch.setattr(stage, "serve_check", lambda *a, **k: {**flat, "winner": flat, "ok": True, "failures": []})
     started = []
     monkeypatch.setattr(stage, "measure_server_floor", lambda **kw: started.append(kw) or {"ready": True, "ready_s": 9.0})
     rounds = [{"round": 1, "ok": True, "ready_s": 1.8, "worker_load_ms": 1200.0},
@@ -250,6 +253,23 @@ def test_the_floor_is_the_empty_ceiling_s_start_when_it_was_served(archived, mon
     assert not started
     assert record["server_floor"] == {"ready": True, "ready_s": 1.6, "worker_load_ms": 1100.0, "workers": 1,
                                       "primed": True, "measured_by": "ceiling_empty"}
+    assert record["reference_archives"]["removed"] is True        # the references stage's, carried over
     monkeypatch.setattr(stage, "references", lambda *a, **k: {"setups": {}})
     assert stage.main([]) == 0
     assert len(started) == 1 and json.loads(stage.SERVE_CHECK_JSON.read_text())["server_floor"]["ready_s"] == 9.0
+
+
+def test_serve_check_refuses_a_references_record_of_another_run(archived, monkeypatch):
+    """A record of another model or load is not compared against: serve_check names the stage to run."""
+    refs_stage, *_ = archived
+    StandIns(monkeypatch, refs_stage)
+    assert refs_stage.main([]) == 0
+    import stages.serve_check as stage
+    path = stage.REFERENCES_JSON
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "concurrency": 64}))
+    from pipeline.core.params import load_params
+    message = stage.read_references(load_params())
+    assert isinstance(message, str) and "'concurrency': 64" in message and "dvc repro references" in message
+    path.unlink()
+    assert "run the references stage" in stage.read_references(load_params())

@@ -278,9 +278,9 @@ def test_stage_end_to_end_winner_vs_baseline(tmp_path, monkeypatch):
         "serve_check": {"requests": 40, "concurrency": 4, "time_cap_s": 60, "rounds": 2, "decided_band": 0}}))
     out = tmp_path / "metrics" / "serve_check.json"
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))
-    for name, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("BASELINE_DIR", baseline),
-                        ("GOLDEN_DIR", golden), ("SERVE_CHECK_JSON", out), ("HANDTUNED_DIR", tmp_path / "handtuned"),
-                        ("SCRATCH_DIR", tmp_path / "scratch")):
+    references = run_references_stage(tmp_path, monkeypatch, baseline, golden)
+    for name, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("GOLDEN_DIR", golden),
+                        ("SERVE_CHECK_JSON", out), ("REFERENCES_JSON", references)):
         monkeypatch.setattr(stage, name, value)
 
     assert stage.main([]) == 0
@@ -299,10 +299,13 @@ def test_stage_end_to_end_winner_vs_baseline(tmp_path, monkeypatch):
     assert rec["settings"]["batchSize"] == 4 and rec["baseline"]["settings"]["batchSize"] == 1
     assert rec["baseline"]["requests_ok"] == 40
     assert_ratios_are_the_recorded_quotients(rec)
-    # Winner and baseline again in a second, interleaved round; no hand-tuned reference for this model.
+    # The baseline in two rounds of the references stage, the winner once here (no reference is
+    # compared in this run's rounds); no hand-tuned reference for this model.
     refs = rec["references"]
     assert set(refs["setups"]) == {"winner", "baseline"} and refs["ratios_handtuned"] is None
-    assert [r["round"] for r in refs["setups"]["winner"]["rounds"]] == [1, 2]
+    assert [r["round"] for r in refs["setups"]["winner"]["rounds"]] == [1]
+    assert [r["round"] for r in refs["setups"]["baseline"]["rounds"]] == [1, 2]
+    assert refs["measured"]["interleaved_with_winner"] is False and refs["measured"]["references"]
     assert all(r["ok"] for s in refs["setups"].values() for r in s["rounds"])
     # Each round says how long it warmed and what the compilers took during its measured load.
     assert all(r["warmup_s"] is not None and r["load_jit_compiler_cores"] >= 0
@@ -363,8 +366,9 @@ def test_stage_end_to_end_on_real_handlers_and_archive(tmp_path, monkeypatch, te
         "serve_check": {"requests": 32, "concurrency": 4, "time_cap_s": 60, "rounds": 1}}))
     out = tmp_path / "serve_check.json"
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))
-    for name, value in (("MODEL_STORE", store), ("SERVE_DIR", inputs["serve_dir"]), ("BASELINE_DIR", baseline),
-                        ("GOLDEN_DIR", golden), ("SERVE_CHECK_JSON", out), ("SCRATCH_DIR", tmp_path / "scratch")):
+    references = run_references_stage(tmp_path, monkeypatch, baseline, golden)
+    for name, value in (("MODEL_STORE", store), ("SERVE_DIR", inputs["serve_dir"]), ("GOLDEN_DIR", golden),
+                        ("SERVE_CHECK_JSON", out), ("REFERENCES_JSON", references)):
         monkeypatch.setattr(stage, name, value)
 
     rc = stage.main([])
@@ -376,6 +380,18 @@ def test_stage_end_to_end_on_real_handlers_and_archive(tmp_path, monkeypatch, te
     assert all(400 <= s < 500 for s in rec["bad_inputs"].values()), rec["bad_inputs"]
     assert rec["baseline"]["ready"] and rec["baseline"]["requests_ok"] == 32
     assert_ratios_are_the_recorded_quotients(rec)
+
+
+def run_references_stage(tmp_path, monkeypatch, baseline, golden, handtuned=None):
+    """The references stage on the recipes in `baseline` (and `handtuned`), its paths pointed at them;
+    the record's path, which serve_check reads."""
+    import stages.references as refs_stage
+    out = tmp_path / "metrics" / "references.json"
+    for name, value in (("BASELINE_DIR", baseline), ("GOLDEN_DIR", golden), ("REFERENCES_JSON", out),
+                        ("HANDTUNED_DIR", handtuned or tmp_path / "handtuned"), ("SCRATCH_DIR", tmp_path / "scratch")):
+        monkeypatch.setattr(refs_stage, name, value)
+    assert refs_stage.main([]) == 0
+    return out
 
 
 def double_recipe(folder, name: str, model_config: dict, properties: str) -> None:
@@ -414,11 +430,11 @@ def serve_check_inputs(tmp_path, monkeypatch, name: str, store, serve, golden, d
     params.write_text(json.dumps({
         "model": {"name": name, "source": "state_dict", "checkpoint": "unused.pt",
                   "factory": "unused.py:build", "task": "tensor", "input_shape": [3]},
-        "serve_check": {"requests": 4, "concurrency": 2, "baseline": False}}))
+        "serve_check": {"requests": 4, "concurrency": 2, "baseline": False, "handtuned": False}}))
     out = tmp_path / "serve_check.json"
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))
     for attr, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("GOLDEN_DIR", golden),
-                        ("SERVE_CHECK_JSON", out), ("SCRATCH_DIR", tmp_path / "scratch")):
+                        ("SERVE_CHECK_JSON", out)):
         monkeypatch.setattr(stage, attr, value)
     return out
 
