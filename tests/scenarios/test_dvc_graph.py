@@ -23,7 +23,9 @@ from pipeline.core.params import REPO_ROOT
 BIN = Path(sys.executable).parent
 ALWAYS = {"probe", "checkpoint"}                                           # always_changed stages
 UPSTREAM = ("probe", "prepare", "convert", "benchmark")                   # must survive a serve.* change
-SERVE_CHAIN = ("select", "configure", "tune", "archive", "serve_check", "report", "kserve")
+# references: re-run here because the faked archive writes new bytes for any change of its params; the real
+# one rewrites the references' recipes byte for byte (test_the_references_depend_on_...; docs/results).
+SERVE_CHAIN = ("select", "configure", "tune", "archive", "references", "serve_check", "report", "kserve")
 
 FAKE_STAGE = r'''
 import hashlib, json, shutil, sys
@@ -272,6 +274,20 @@ def test_serve_change_reruns_only_the_serving_chain(graph_repo):
     assert '"latency_slo_ms": 50' in flat
     if "report" in stages:
         assert "metrics/summary.json" in flat and '"stage": "report"' in flat
+
+
+def test_the_references_depend_on_the_host_model_load_and_recipes_only():
+    """Issue 41: the hand-tuned setup and the baseline are measured by a stage whose inputs are what
+    they depend on: never the winner's outputs or the SLO, so a serve.* experiment reuses them while
+    their recipes' bytes hold (the archive stage rewrites the same bytes)."""
+    spec = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]["references"]
+    deps = set(_entries(spec["deps"]))
+    assert {"artifacts/baseline", "artifacts/handtuned", "artifacts/golden", "artifacts/env.json"} <= deps
+    assert not deps & {"artifacts/serve", "artifacts/selection.json", "artifacts/model_store", "metrics/tuning.json",
+                       "artifacts/configured"}, deps
+    assert not [k for k in spec["params"] if k == "serve" or k.startswith("serve.") and k != "serve.expected_concurrency"]
+    serve_check = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]["serve_check"]
+    assert "metrics/references.json" in set(_entries(serve_check["deps"]))
 
 
 def test_benchmark_setting_reruns_benchmarks_not_conversions(graph_repo):
