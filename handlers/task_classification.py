@@ -5,7 +5,12 @@ Requests (the Hugging Face task spec, what `transformers.pipeline("text-classifi
 - JSON `{"inputs": str | {"text", "text_pair"} | [str | {"text", "text_pair"}, ...],
   "parameters": {"top_k": int | null, "function_to_apply": "sigmoid" | "softmax" | "none"}}`.
 Answers: `[{"label", "score"}, ...]` sorted by score, `top_k` entries (default 1, null = every
-label); a list input gets one such list per input. Labels are config.json's `id2label`. The score
+label); a list input gets one such list per input, and so does a JSON body whose `inputs` is one
+string: `[[{"label", "score"}, ...]]`, the Hugging Face Inference API's answer, what
+`huggingface_hub.InferenceClient.text_classification` POSTs (`{"inputs": "<text>", "parameters": {...}}`)
+and parses. text/plain, a bare JSON string and a pair `{"inputs": {"text", "text_pair"}}` (also
+`{"inputs": {"text": "<text>"}}`, one text with parameters) answer the flat list, as
+`transformers.pipeline` does for one input. Labels are config.json's `id2label`. The score
 function is chosen as transformers does: regression → none, multi-label or one label → sigmoid,
 else softmax. A list input is one row per text (fanned out by the serving handler), capped at
 `max_texts` per request (413). Pairs carry token_type_ids where the model takes them; a pair over
@@ -55,7 +60,8 @@ class TextClassificationAdapter(TextTaskAdapter):
 
     def usage(self) -> str:
         return ('send text/plain, or JSON {"inputs": "<text>" | {"text": "...", "text_pair": "..."} | [ ... ], '
-                '"parameters": {"top_k": 1, "function_to_apply": "softmax"}} with Content-Type application/json')
+                '"parameters": {"top_k": 1, "function_to_apply": "softmax"}} with Content-Type application/json '
+                '(a JSON string or list `inputs` answers one list of labels per text)')
 
     def decode_request(self, body, content_type=None):
         self.check_body(body)
@@ -72,6 +78,8 @@ class TextClassificationAdapter(TextTaskAdapter):
         else:
             inputs = doc            # a bare JSON string or list: the `inputs` alone
         single = not isinstance(inputs, list)
+        # Hugging Face's body, {"inputs": "<text>"}: one list per input, as its Inference API answers.
+        nested = single and isinstance(doc, dict) and isinstance(inputs, str)
         items = [inputs] if single else inputs
         if not items:
             raise RequestError(400, f"`inputs` is an empty list; {self.usage()}")
@@ -82,7 +90,7 @@ class TextClassificationAdapter(TextTaskAdapter):
         function = params.get("function_to_apply", self.function)
         if function not in FUNCTIONS:
             raise RequestError(400, f"parameters.function_to_apply = {function!r}: allowed {', '.join(FUNCTIONS)}")
-        return Decoded(rows, {"single": single, "top_k": top_k, "function": function})
+        return Decoded(rows, {"single": single and not nested, "top_k": top_k, "function": function})
 
     def _pair(self, item, what: str) -> tuple:
         if isinstance(item, dict):

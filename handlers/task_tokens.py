@@ -6,7 +6,10 @@ Requests (the Hugging Face task spec): text/plain, or JSON `{"inputs": str | [st
 `[{"entity_group", "score", "word", "start", "end"}, ...]`, or with aggregation "none"
 `[{"entity", "score", "index", "word", "start", "end"}, ...]`; a list input gets one list per text.
 start/end are character offsets into the text (the fast tokenizer's offsets); `word` is the
-tokenizer's decoding of the entity's tokens, as transformers decodes them.
+tokenizer's decoding of the entity's tokens, as transformers decodes them. That flat list for one
+text is also the Hugging Face Inference API's answer, what `huggingface_hub.InferenceClient
+.token_classification` parses; its `stride` parameter (the overlap of the chunks a long text is cut
+into) is accepted and changes nothing: a text is never cut here, so there are no chunks.
 
 Over-long text: REFUSED with 413 naming the token count and the limit — never cut. transformers'
 pipeline truncates silently at model_max_length and loses the entities of the tail; a client that
@@ -25,7 +28,7 @@ from handlers.tasks import JSON_TYPES, Decoded, RequestError, _json_or_text, _me
 from handlers.task_text import TextTaskAdapter, parameters_of, softmax
 
 STRATEGIES = ("none", "simple", "first", "average", "max")
-PARAMETERS = ("aggregation_strategy", "ignore_labels")
+PARAMETERS = ("aggregation_strategy", "ignore_labels", "stride")
 
 
 class TokenClassificationAdapter(TextTaskAdapter):
@@ -72,6 +75,12 @@ class TokenClassificationAdapter(TextTaskAdapter):
         ignore = params.get("ignore_labels", ["O"])
         if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
             raise RequestError(400, f"parameters.ignore_labels = {ignore!r}: needs a list of label strings")
+        stride = params.get("stride")
+        if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int) or stride < 0):
+            raise RequestError(400, f"parameters.stride = {stride!r}: needs an integer >= 0 (or leave it out)")
+        if stride and strategy.lower() == "none":
+            raise RequestError(400, "parameters.stride needs an aggregation_strategy other than \"none\" "
+                                    "(as transformers' pipeline): send \"simple\", \"first\", \"average\" or \"max\"")
         rows, encodings = [], []
         for i, text in enumerate(texts):
             text = check_text(text, "inputs" if single else f"inputs[{i}]", self.usage())

@@ -101,7 +101,7 @@ def text_classification_cases(n: int, rng: random.Random, _ctx: dict) -> list[Ca
             out.append(Case("text/plain", text.encode(), "text/plain", {"inputs": text, "kw": {}}))
         elif kind == 1:
             out.append(Case("top_k=null", _json({"inputs": text, "parameters": {"top_k": None}}), "application/json",
-                            {"inputs": text, "kw": {"top_k": None}}))
+                            {"inputs": text, "kw": {"top_k": None}, "nested": True}))
         elif kind == 2:
             pair = {"text": text, "text_pair": sentence(rng, 1, 30)}
             out.append(Case("pair", _json({"inputs": pair}), "application/json", {"inputs": pair, "kw": {}}))
@@ -120,11 +120,11 @@ def text_classification_cases(n: int, rng: random.Random, _ctx: dict) -> list[Ca
         elif kind == 5:
             params = {"top_k": 1, "function_to_apply": "softmax"}
             out.append(Case("top_k=1 softmax", _json({"inputs": text, "parameters": params}), "application/json",
-                            {"inputs": text, "kw": params}))
+                            {"inputs": text, "kw": params, "nested": True}))
         elif kind == 6:
             long = sentence(rng, 90, 160)
             out.append(Case("long (truncated) top_k=null", _json({"inputs": long, "parameters": {"top_k": None}}),
-                            "application/json", {"inputs": long, "kw": {"top_k": None}}))
+                            "application/json", {"inputs": long, "kw": {"top_k": None}, "nested": True}))
         else:
             out.append(Case("bare JSON string", _json(text), "application/json", {"inputs": text, "kw": {}}))
     return out
@@ -307,6 +307,8 @@ class TextReference:
             kw |= {"truncation": True, "max_length": self.max_length}      # the served cap (tokens)
         items = case.ref["inputs"] if case.ref.get("list") else [case.ref["inputs"]]
         answers = [_as_list(self.pipe(item, **kw)) for item in items]
+        if case.ref.get("nested"):      # {"inputs": "<text>"}: one list per input (the HF Inference API's shape)
+            return answers
         return answers if case.ref.get("list") else answers[0]
 
 

@@ -68,7 +68,7 @@ def test_text_classification_served_equals_transformers(tmp_path, models):
            [({"inputs": t, "parameters": {"top_k": None}}, "application/json") for t in CLASSIFY_TEXTS] + \
            [({"inputs": pair, "parameters": {"top_k": 2}}, "application/json"),
             ({"inputs": CLASSIFY_TEXTS}, "application/json")]
-    want = [pipe(t) for t in CLASSIFY_TEXTS] + [pipe(t, top_k=None) for t in CLASSIFY_TEXTS] + \
+    want = [pipe(t) for t in CLASSIFY_TEXTS] + [[pipe(t, top_k=None)] for t in CLASSIFY_TEXTS] + \
            [pipe(pair, top_k=2), [pipe(t) for t in CLASSIFY_TEXTS]]
     bad = [({"inputs": []}, "application/json"), ({"inputs": "x", "parameters": {"function_to_apply": "relu"}},
                                                    "application/json"), (b"", "text/plain")]
