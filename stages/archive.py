@@ -27,8 +27,9 @@ from pipeline.serve.archive import ArchiveError, build_archive
 from pipeline.core.params import ParamsError, load_params
 from pipeline.serve.handtuned import build_handtuned
 from pipeline.serve.reference_archives import write_baseline
-from pipeline.core.paths import (BASELINE_DIR, BENCHMARK_METRICS, ENV_JSON, HANDTUNED_DIR, MODEL_STORE, SELECTION_JSON,
-                            SERVE_DIR, VARIANTS_DIR)
+from pipeline.core.paths import (BASELINE_DIR, BENCHMARK_METRICS, ENV_JSON, HANDTUNED_DIR, MODEL_STORE, RAY_SERVE_DIR,
+                                 SELECTION_JSON, SERVE_DIR, VARIANTS_DIR)
+from pipeline.serve.ray_serve_config import write_ray_serve
 from pipeline.decide.store_form import unpack_mar
 
 log = logging.getLogger("stages.archive")
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         folder = unpack_mar(result.path, MODEL_STORE / params.model.name, sources=result.sources)
         log.info("unpacked it into %s (the folder model store form) in %.1f s", folder, time.perf_counter() - t1)
+        # The second server: Ray Serve serves that folder with the same handler and settings.
+        ray = write_ray_serve(params, folder, RAY_SERVE_DIR, benchmarks_dir=BENCHMARK_METRICS)
+        log.info("wrote %s/ (Ray Serve: %d replica(s), batch %d, delay %.3f s)", RAY_SERVE_DIR, ray["num_replicas"],
+                 ray["max_batch_size"], ray["batch_wait_timeout_s"])
         if not args.no_baseline:
             t1 = time.perf_counter()
             base = write_baseline(params, variants_dir=VARIANTS_DIR, baseline_dir=BASELINE_DIR)

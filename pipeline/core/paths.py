@@ -23,6 +23,7 @@ SERVE_DIR = ARTIFACTS / "serve"                      # tune: config.properties, 
 TUNING_METRICS = METRICS / "tuning.json"             # tune: duration, served verdict, chosen point
 HANDTUNED_DIR = ARTIFACTS / "handtuned"              # archive: the hand-tuned ONNX reference (recipe of <name>.mar + config.properties)
 MODEL_STORE = ARTIFACTS / "model_store"              # archive: <name>.mar
+RAY_SERVE_DIR = ARTIFACTS / "ray-serve"              # archive: serve_config.yaml (serve run) + rayservice.yaml (KubeRay)
 BASELINE_DIR = ARTIFACTS / "baseline"                # archive: the naive baseline (recipe of <name>.mar + config.properties)
 SCRATCH_DIR = REPO_ROOT / ".scratch"                 # references: the references' .mar while served (removed after)
 REFERENCES_JSON = METRICS / "references.json"       # references: the hand-tuned setup and the baseline, served

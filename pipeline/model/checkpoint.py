@@ -307,7 +307,8 @@ def _text_embedding(params: Params, path: Path) -> tuple[LoadedModel, Optional[K
               "config.json max_position_embeddings": getattr(config, "max_position_embeddings", None)}
     limit_from, max_length = min(((k, int(v)) for k, v in limits.items() if v), key=lambda kv: kv[1])
     task = {"kind": "text-embedding", "max_length": max_length, "max_length_from": limit_from,
-            "dim": hidden, "tokenizer": "tokenizer.json", **folder.as_task(), **tokenizer_settings(path)}
+            "dim": hidden, "tokenizer": "tokenizer.json", "max_texts": params.model.text.max_texts,
+            **folder.as_task(), **tokenizer_settings(path)}
     seq = {0: "batch", 1: "sequence"}
     loaded = LoadedModel(module=module,
                          inputs=[InputSpec("input_ids", "int64", dict(seq)), InputSpec("attention_mask", "int64", dict(seq))],

@@ -7,6 +7,8 @@ The served tests (tests/serve/) and scripts/served_vs_transformers.py stand on i
     served = serve_variant(params, workdir)          # workdir/{artifacts,server}
     with served.ts as ts:
         ts.api.predict(b"a text", "text/plain")
+    with ray_serve_of(served, params, workdir) as rs:   # the same .mar's folder form on Ray Serve
+        rs.api.predict(b"a text", "text/plain")
 """
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ from pipeline.core.params import Params
 from pipeline.decide.properties import write_config_properties, write_model_config
 from pipeline.model.checkpoint import LoadedModel, load_model
 from pipeline.model.golden import Golden, write_golden
+from pipeline.decide.store_form import unpack_mar
 from pipeline.serve.archive import build_archive
+from pipeline.serve.ray_serve_config import SERVE_CONFIG, write_ray_serve
+from pipeline.serve.ray_server import RayServe
 from pipeline.serve.torchserve import TorchServe
 
 # A small operating point that still batches: 4 concurrent clients fill batches of up to 4 requests.
@@ -70,3 +75,12 @@ def serve_variant(params: Params, root: Path, *, variant: str = "eager", setting
                                      model_store=mar.parent)
     ts = TorchServe(config, mar.parent, params.model.name, workdir=root / "server")
     return ServedVariant(ts=ts, golden=golden, loaded=loaded, record=record, mar=mar)
+
+
+def ray_serve_of(served: ServedVariant, params: Params, root: Path) -> RayServe:
+    """The same archive on Ray Serve, as the archive stage lays it out: the .mar unpacked (root/store/<name>/),
+    its Serve config (root/ray-serve/); the (unstarted) `serve run` of it."""
+    root = Path(root)
+    folder = unpack_mar(served.mar, root / "store" / params.model.name)
+    write_ray_serve(params, folder, root / "ray-serve")
+    return RayServe(root / "ray-serve" / SERVE_CONFIG, root / "ray-server", params.model.name)
