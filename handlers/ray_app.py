@@ -23,6 +23,7 @@ This module is not packed into the .mar; it imports ray and fastapi, which a Tor
 import asyncio
 import importlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,10 @@ def model_config(folder: Path) -> dict:
 class ModelDeployment:
     def __init__(self, model_dir: str, model_name: str):
         t0 = time.perf_counter()
+        # The handler's [load] and [profile] lines go where the replica's own log goes (logs/serve/replica_*.log).
+        handlers_log = logging.getLogger("handlers")
+        handlers_log.handlers, handlers_log.propagate = list(log.handlers), False
+        handlers_log.setLevel(logging.INFO)
         self.name = model_name
         self.folder = model_folder(model_dir)
         self.config = model_config(self.folder)
@@ -109,6 +114,7 @@ class ModelDeployment:
         log.info("[load] %s on Ray Serve: variant %s, batch %d, delay %.3f s, loaded in %.2f s", model_name,
                  self.variant.get("variant"), self._batched._get_max_batch_size(),
                  self._batched._get_batch_wait_timeout_s(), self.load_s)
+        log.info("[replica] pid=%d ready", os.getpid())     # pipeline/serve/ray_server.py counts these
 
     def configure_batching(self, max_batch_size: int, wait_s: float) -> None:
         self._batched.set_max_batch_size(max(1, int(max_batch_size)))
@@ -123,6 +129,9 @@ class ModelDeployment:
     # ------------------------------------------------------------------ the batch
     @serve.batch(max_batch_size=1, batch_wait_timeout_s=0.0)
     async def _batched(self, items: list) -> list:
+        # Which requests shared this batch (read by the checks, as TorchServe's PredictionTime lines are).
+        ids = [c.request_id for c in serve.context._get_serve_batch_request_context()]
+        log.info("[batch] size=%d ids=%s", len(items), ",".join(ids))
         # The model runs in a thread: the event loop keeps accepting requests, which form the next batch.
         return await asyncio.get_running_loop().run_in_executor(None, self._handle, items)
 

@@ -10,7 +10,8 @@ concurrency, the server's ceilings served beside it (a do-nothing model at the w
 the comparison with the references (`references`, measured in their own run: `measured_at` says when).
 For task rerank, also a rerank load (`serve_check.rerank_texts` texts per query from `rerank_clients`
 clients) in rows/s against the model alone on the same requests, measured right after it
-(`rerank_load`). Exits non-zero when the model never becomes READY, HTTP parity fails, a request is
+(`rerank_load`). With `serve_check.servers` listing ray-serve, the same checks and load on the Ray Serve
+application (artifacts/ray-serve/), compared side by side (`servers`). Exits non-zero when the model never becomes READY, HTTP parity fails, a request is
 lost or gets a 5xx, or bad input is not rejected cleanly.
 """
 from __future__ import annotations
@@ -21,13 +22,15 @@ import sys
 from typing import Optional
 
 from pipeline.core.params import ParamsError, as_dict, load_concurrency, load_params
-from pipeline.core.paths import (GOLDEN_DIR, MODEL_STORE, REFERENCES_JSON, SERVE_CHECK_JSON, SERVE_DIR, benchmark_json,
-                                 variant_dir)
+from pipeline.core.paths import (GOLDEN_DIR, MODEL_STORE, RAY_SERVE_DIR, REFERENCES_JSON, SERVE_CHECK_JSON, SERVE_DIR,
+                                 benchmark_json, variant_dir)
 from pipeline.core.numbers import rounded
 from pipeline.serve.load import LOAD_KIND
 from pipeline.serve.ceiling import (CEILING, CEILING_EMPTY, ceiling_spec, model_alone_rps, served_bound,
                                     served_size_answer, served_variant)
 from pipeline.serve.http_cases import load_http_cases, tolerance_from_mar
+from pipeline.serve.ray_serve_check import check_ray_serve, compare_servers
+from pipeline.serve.ray_serve_config import SERVE_CONFIG
 from pipeline.serve.references import setups_at_slo
 from pipeline.serve.rerank_load import failures_of, measure_rerank_load, rerank_cases
 from pipeline.serve.serve_check import ServerSpec, serve_check, with_baseline
@@ -84,6 +87,12 @@ def main(argv=None) -> int:
                          concurrency=load_concurrency(params)[0], time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s,
                          alternate=alternate, store_form=form, startup=startup_evidence(derivation))
     with_baseline(record, refs.get("baseline_detail") if sc.baseline else None)
+    if "ray-serve" in sc.servers:
+        # The second server, the same checks and load, right after TorchServe's (pipeline/serve/ray_serve_check.py).
+        ray = check_ray_serve(name, RAY_SERVE_DIR / SERVE_CONFIG, cases, task=params.model.task,
+                              atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,
+                              concurrency=load_concurrency(params)[0], time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s)
+        compare_servers(record, ray, slo_ms=params.serve.latency_slo_ms, concurrency=load_concurrency(params)[0])
     if record["ok"] and params.model.task == "rerank":
         # Issue 26: rows/s of a rerank load against the model's own rows/s at the batches it formed.
         record["rerank_load"] = rerank_load(params, forms[form], derivation)

@@ -327,6 +327,21 @@ def check_serve(p: Params) -> Iterator[Problem]:
                       f"never waited for at 0 ms, so it would always be 1), or batch_size: 1")
 
 
+SERVERS = ("torchserve", "ray-serve")
+
+
+def check_servers(p: Params) -> Iterator[Problem]:
+    servers = p.serve_check.servers
+    for i, name in enumerate(servers):
+        if name not in SERVERS:
+            yield Problem(f"serve_check.servers[{i}]", name, ", ".join(SERVERS))
+    if "torchserve" not in servers:
+        yield Problem("serve_check.servers", servers, "a list holding torchserve (the .mar is the first output; "
+                                                      "ray-serve is proven beside it)")
+    if len(set(servers)) != len(servers):
+        yield Problem("serve_check.servers", servers, "each server at most once")
+
+
 def check_tune(p: Params) -> Iterator[Problem]:
     t = p.tune
     if t.max_rounds < t.rounds:
@@ -337,7 +352,7 @@ def check_tune(p: Params) -> Iterator[Problem]:
 # them the same way.
 CHECKS: tuple[Callable[[Params], Iterator[Problem]], ...] = (
     check_variants, check_model, check_image, check_ranges, check_benchmark, check_conversion, check_serve,
-    check_tune, lambda p: check_fleet(p.fleet))
+    check_tune, check_servers, lambda p: check_fleet(p.fleet))
 
 
 def check_semantics(p: Params) -> list[Problem]:

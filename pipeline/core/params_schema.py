@@ -277,6 +277,9 @@ class ServeCheckParams:
     # the server formed (metrics/serve_check.json `rerank_load`; pipeline/serve/rerank_load.py).
     rerank_texts: int = 20
     rerank_clients: int = 4                    # see rerank_texts
+    # The servers the winner is proven in, under the same checks and load: torchserve (the .mar), ray-serve
+    # (artifacts/ray-serve/, written on every run either way; docs/ray-serve.md).
+    servers: list[str] = field(default_factory=lambda: ["torchserve"])
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from pipeline.decide.serve_config import TS_DEFAULT_MAX_REQUEST_SIZE
 from pipeline.serve.http_cases import HttpCase
 from pipeline.serve.parity import concurrently, response_within
-from pipeline.serve.torchserve import Client, TorchServe, read_properties
+from pipeline.serve.torchserve import Client, TorchServe
 
 # The text tasks with a head (handlers/task_*.py): requests their adapters must refuse with a 4xx
 # naming the problem. 10 000 texts pass any sane model.text.max_texts (413 with the cap).
@@ -38,8 +37,9 @@ class BadCase:
 
 
 def max_request_size(ts: TorchServe) -> int:
-    """The running server's request size limit (its config.properties, else TorchServe's default)."""
-    return int(read_properties(ts.workdir / "config.properties").get("max_request_size", TS_DEFAULT_MAX_REQUEST_SIZE))
+    """The running server's request size limit (a TorchServe's config.properties, else its default; a Ray
+    Serve's handler limit)."""
+    return ts.max_request_size()
 
 
 def bad_input_cases(task: str, cases: list[HttpCase], max_request_size: int) -> list[BadCase]:

@@ -67,8 +67,12 @@ def serve_config(model_name: str, folder: Path, settings: dict, *, host: str = "
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": host, "port": int(port), "request_timeout_s": settings["request_timeout_s"]},
+        # A log line per request costs the proxy and the replica more CPU than the handler's decode and
+        # respond together; the replicas keep their INFO lines (load phases, batches formed).
+        "logging_config": {"enable_access_log": False, "log_level": "WARNING"},
         "applications": [{
             "name": model_name, "route_prefix": "/", "import_path": IMPORT_PATH,
+            "logging_config": {"enable_access_log": False, "log_level": "INFO"},
             "args": {"model_dir": model_dir_arg(folder), "model_name": model_name},
             # one intra-op pool per replica, as the handler's threads setting gives it
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(settings["threads"]),

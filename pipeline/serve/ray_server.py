@@ -4,9 +4,14 @@ One `RayServe` = one `serve run` process with a Ray of its own: `ray.init()` in 
 local cluster on loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps every Ray address at 127.0.0.1),
 which dies with it. The given Serve config (artifacts/ray-serve/serve_config.yaml) is copied with the
 HTTP port set to a free loopback port; everything else is served as written. READY is the first 200
-from the application's `/health` (the replica has loaded and warmed up the model); a process that
-exits first is reported with its log's tail. Stop: SIGINT (serve run shuts Serve and its Ray down),
-then SIGKILL to the whole process group.
+from the application's `/health` (a replica has loaded and warmed up the model), every replica READY
+when each has logged its `[replica] pid=` line; a process that exits first is reported with its log's
+tail. Stop: SIGINT (serve run shuts Serve and its Ray down), then SIGKILL to the whole process group.
+
+The checks (pipeline/serve/serve_check.py, parity.py, bad_input.py, load.py) take it where they take a
+TorchServe: `api` (client, predict, predictions_path, inference_port, inference_key, describe_model),
+`log` (batches formed, the handler's load phases and per-request profile, from the replicas' logs in
+this server's own Ray temp dir), `readiness`, `worker_pids`, `worker_peak_rss_mb`, `max_request_size`.
 
     with RayServe(Path("artifacts/ray-serve/serve_config.yaml"), workdir, "minilm") as rs:
         rs.api.predict(b"a text", "text/plain")          # the same calls as a TorchServe's `ts.api`
@@ -14,18 +19,26 @@ then SIGKILL to the whole process group.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
+import psutil
 import yaml
 
 from pipeline.core.params import REPO_ROOT
-from pipeline.serve.torchserve import free_ports
+from pipeline.serve.torchserve import Readiness, free_ports, process_peak_rss_mb
 from pipeline.serve.torchserve_http import Client, Response, TorchServeError
+from pipeline.serve.torchserve_logs import ServerLogs
+
+_REPLICA = re.compile(r"\[replica\] pid=(\d+) ready")
+_BATCH = re.compile(r"\[batch\] size=\d+ ids=(\S*)")
 
 SERVE_BIN = Path(sys.executable).with_name("serve")
 
@@ -37,8 +50,16 @@ class RayServeError(TorchServeError):
 class RayServeApi:
     """The HTTP API of a running Ray Serve application: the calls `TorchServe.api` offers the checks."""
 
-    def __init__(self, port: int, model_name: str):
-        self.inference_port, self.model_name = port, model_name
+    def __init__(self, port: int, model_name: str, logs: "RayServeLogs"):
+        self.inference_port, self.model_name, self._logs = port, model_name, logs
+
+    def inference_key(self) -> Optional[str]:
+        return None         # Ray Serve's HTTP proxy has no token authorization; it listens on loopback here
+
+    def describe_model(self, model: Optional[str] = None) -> dict:
+        """TorchServe's describe shape: one worker per replica that has loaded, READY while its process lives."""
+        return {"workers": [{"id": f"replica-{i}", "pid": pid, "status": "READY" if psutil.pid_exists(pid) else "DEAD"}
+                            for i, pid in enumerate(self._logs.replica_pids())]}
 
     def client(self, timeout_s: float = 120.0, retry_stale: bool = True) -> Client:
         return Client(self.inference_port, None, timeout_s, retry_stale)
@@ -63,28 +84,95 @@ class RayServeApi:
         return f"http://127.0.0.1:{self.inference_port}"
 
 
+class RayServeLogs(ServerLogs):
+    """The replicas' logs (Ray's logs/serve/replica_<app>_model_*.log) of one RayServe's own Ray temp dir."""
+
+    def __init__(self, ray_tmp: Path, model_name: str):
+        super().__init__(ray_tmp, model_name)
+
+    def replica_logs(self) -> list[Path]:
+        return sorted(self.logs.glob("ray/session_*/logs/serve/replica_*.log"))
+
+    def model_log_text(self) -> Optional[str]:
+        paths = self.replica_logs()
+        return "\n".join(p.read_text(errors="replace") for p in paths) if paths else None
+
+    def replica_pids(self) -> list[int]:
+        return [int(pid) for pid in _REPLICA.findall(self.model_log_text() or "")]
+
+    def worker_load_ms(self) -> Optional[float]:
+        phases = self.handler_load_ms()
+        return phases.get("total") if phases else None
+
+    def batches(self) -> list[frozenset]:
+        return [frozenset(ids.split(",")) for ids in _BATCH.findall(self.model_log_text() or "") if ids]
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(f"== {p} ==\n" + "\n".join(p.read_text(errors="replace").splitlines()[-n:])
+                         for p in self.replica_logs()) or "(no replica log)"
+
+
 class RayServe:
+    java_pid = None           # no JVM: the warm-up's JIT criteria read nothing and pass
+
     def __init__(self, config: Path, workdir: Path, model_name: str, *, start_timeout_s: float = 300.0):
         self.source, self.workdir, self.model_name = Path(config), Path(workdir), model_name
         self.start_timeout_s = start_timeout_s
         self.proc: Optional[subprocess.Popen] = None
         self.port: Optional[int] = None
-        self.ready_s: Optional[float] = None
+        self.readiness: Optional[Readiness] = None
         self.api: Optional[RayServeApi] = None
         self.log_path = self.workdir / "serve_run.log"
+        # Ray's sockets live under its temp dir, whose path must stay short (AF_UNIX: 107 bytes).
+        self.ray_tmp = Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp" if os.path.isdir("/tmp") else None))
+        self.log = RayServeLogs(self.ray_tmp, model_name)
+        self.config = yaml.safe_load(self.source.read_text())
+
+    @property
+    def ready_s(self) -> Optional[float]:
+        return self.readiness.ready_s if self.readiness else None
+
+    @property
+    def replicas(self) -> int:
+        deployments = self.config["applications"][0].get("deployments") or [{}]
+        return int(deployments[0].get("num_replicas") or 1)
+
+    def settings(self) -> dict:
+        """The served settings in TorchServe's names (the checks' records compare the two servers by them)."""
+        deployment = (self.config["applications"][0].get("deployments") or [{}])[0]
+        batching = deployment.get("user_config") or {}
+        return {"batchSize": batching.get("max_batch_size"),
+                "maxBatchDelay": round(1000 * float(batching.get("batch_wait_timeout_s") or 0)),
+                "minWorkers": self.replicas, "maxWorkers": self.replicas,
+                "responseTimeout": (self.config.get("http_options") or {}).get("request_timeout_s"),
+                "startupTimeout": None}
 
     def write_config(self, port: int) -> Path:
-        config = yaml.safe_load(self.source.read_text())
+        config = yaml.safe_load(yaml.safe_dump(self.config))
         config.setdefault("http_options", {}).update({"host": "127.0.0.1", "port": port})
         path = self.workdir / "serve_config.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         return path
 
+    def max_request_size(self) -> int:
+        """The handler's limit on one body (model-config.yaml handler.max_request_bytes): Ray's proxy has none."""
+        folder = Path(self.config["applications"][0]["args"]["model_dir"])
+        folder = folder if folder.is_absolute() else REPO_ROOT / folder
+        handler = (yaml.safe_load((folder / "model-config.yaml").read_text()) or {}).get("handler") or {}
+        return int(handler.get("max_request_bytes") or 6553500)
+
+    def worker_pids(self) -> dict[str, Optional[int]]:
+        return {w["id"]: w["pid"] for w in self.api.describe_model()["workers"]}
+
+    def worker_peak_rss_mb(self) -> dict[str, Optional[float]]:
+        return {wid: process_peak_rss_mb(pid) for wid, pid in self.worker_pids().items()}
+
     def start(self) -> "RayServe":
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_ports(1)[0]
         config = self.write_config(self.port)
-        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+               "RAY_TMPDIR": str(self.ray_tmp)}
         env.pop("RAY_ADDRESS", None)           # a Ray of its own, never someone else's cluster
         t0 = time.perf_counter()
         log = open(self.log_path, "wb")
@@ -93,7 +181,7 @@ class RayServe:
                                          stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             log.close()
-        self.api = RayServeApi(self.port, self.model_name)
+        self.api = RayServeApi(self.port, self.model_name, self.log)
         try:
             self._wait_ready(t0)
         except BaseException:
@@ -102,6 +190,7 @@ class RayServe:
         return self
 
     def _wait_ready(self, t0: float) -> None:
+        ready_s = None
         while True:
             if self.proc.poll() is not None:
                 raise RayServeError(f"`serve run` exited with {self.proc.returncode} before the model was READY\n"
@@ -110,12 +199,18 @@ class RayServe:
             if waited > self.start_timeout_s:
                 raise RayServeError(f"the model was not READY on Ray Serve after {waited:.0f} s\n"
                                     f"--- {self.log_path} ---\n{self.log_tail()}")
-            try:
-                if self.api.request("GET", "/health", timeout_s=5).status == 200:
-                    self.ready_s = time.perf_counter() - t0
-                    return
-            except OSError:
-                pass
+            if ready_s is None:
+                try:
+                    if self.api.request("GET", "/health", timeout_s=5).status == 200:
+                        ready_s = time.perf_counter() - t0
+                except OSError:
+                    pass
+            if ready_s is not None and len(self.log.replica_pids()) >= self.replicas:
+                self.readiness = Readiness(ready_s=ready_s, all_ready_s=time.perf_counter() - t0,
+                                           worker_load_ms=self.log.worker_load_ms(),
+                                           description={**self.settings(),
+                                                        "workers": self.api.describe_model()["workers"]})
+                return
             time.sleep(0.1)
 
     def log_tail(self, lines: int = 40) -> str:
@@ -139,6 +234,11 @@ class RayServe:
             pass
         self.proc.wait(30)
         self.proc = None
+
+    def cleanup(self) -> None:
+        """Remove this server's Ray temp dir (its logs), after stop."""
+        if self.proc is None:
+            shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
     def __enter__(self) -> "RayServe":
         return self.start()

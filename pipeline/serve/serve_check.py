@@ -64,14 +64,18 @@ class ServerSpec:
 # --------------------------------------------------------------------------- one server
 def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: float, rtol: float,
                  gate: Optional[dict] = None, requests: int, concurrency: int, time_cap_s: float, bad_inputs: bool = True,
-                 parity: bool = True, workdir: Optional[Path] = None, warmup_s: float = 0.0) -> dict:
+                 parity: bool = True, workdir: Optional[Path] = None, warmup_s: float = 0.0,
+                 server: Any = None) -> dict:
     """Start `spec` in isolation, run every check, stop it (always). Never raises for a check that
     fails: the figures say what failed (`ready: false` + `error` when it never became READY).
     warmup_s: seconds of the same load before the measured one, not counted: a fresh server's first
-    thousands of requests run through the JVM's interpreter and the model's first calls."""
-    ts = TorchServe(spec.config, spec.model_store, spec.name, models=spec.models, workdir=workdir,
-                    env=spec.env)
-    out: dict[str, Any] = {"model": spec.name, "mar": str(spec.model_store / (spec.mar or spec.name + ".mar")),
+    thousands of requests run through the JVM's interpreter and the model's first calls.
+    server: an unstarted server of another kind to run the same checks in (a RayServe,
+    pipeline/serve/ray_server.py); default a TorchServe of `spec`."""
+    ts = server if server is not None else TorchServe(spec.config, spec.model_store, spec.name, models=spec.models,
+                                                      workdir=workdir, env=spec.env)
+    out: dict[str, Any] = {"model": spec.name, "server": "torchserve" if server is None else "ray-serve",
+                           "mar": str(spec.model_store / (spec.mar or spec.name + ".mar")),
                            "config": str(spec.config) if spec.config else None, "server_dir": str(ts.workdir)}
     try:
         with ts:

@@ -31,6 +31,7 @@ from typing import Optional
 import psutil
 
 from pipeline.decide.properties import format_properties, start_command
+from pipeline.decide.serve_config import TS_DEFAULT_MAX_REQUEST_SIZE
 from pipeline.serve.torchserve_http import HOST, Client, Response, ServerApi, TorchServeError, read_properties  # noqa: F401
 from pipeline.serve.torchserve_logs import ServerLogs, read_from, tail
 POLL_S = 0.05
@@ -363,12 +364,17 @@ class TorchServe:
             time.sleep(POLL_S)
 
     # ------------------------------------------------------------------ worker processes
+    def max_request_size(self) -> int:
+        """Bytes of one request body the running server accepts (config.properties, else TorchServe's default)."""
+        return int(read_properties(self.workdir / "config.properties").get("max_request_size",
+                                                                            TS_DEFAULT_MAX_REQUEST_SIZE))
+
     def worker_pids(self) -> dict[str, Optional[int]]:
         return {w["id"]: w.get("pid") for w in self.api.describe_model().get("workers", [])}
 
     def worker_peak_rss_mb(self) -> dict[str, Optional[float]]:
         """Peak resident memory of each worker process so far (Linux VmHWM; else the current RSS), MB."""
-        return {wid: _peak_rss_mb(pid) if pid else None for wid, pid in self.worker_pids().items()}
+        return {wid: process_peak_rss_mb(pid) if pid else None for wid, pid in self.worker_pids().items()}
 
 
 def stop_all(servers: list["TorchServe"], check: bool = False) -> None:
@@ -384,7 +390,7 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root + os.sep)
 
 
-def _peak_rss_mb(pid: int) -> Optional[float]:
+def process_peak_rss_mb(pid: int) -> Optional[float]:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

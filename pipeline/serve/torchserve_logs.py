@@ -70,6 +70,13 @@ class ServerLogs:
                 return False
             time.sleep(0.1)
 
+    def model_log_text(self) -> Optional[str]:
+        """What the handler logged in every worker (model_log.log); None before it exists."""
+        try:
+            return (self.logs / "model_log.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return None
+
     def worker_load_ms(self) -> Optional[float]:
         """TorchServe's WorkerLoadTime for this model (max over its workers), from ts_metrics.log."""
         pat = re.compile(r"WorkerLoadTime\.Milliseconds:([0-9.]+)\|#WorkerName:W-\d+-(.+?)_[^_|,]*,")
@@ -86,9 +93,8 @@ class ServerLogs:
     def handler_load_ms(self) -> Optional[dict]:
         """The phases of the slowest worker's `[load]` line (handlers/serving.py: runtime read /
         deserialize, adapter, warm-up, total in ms), from model_log.log; None before any."""
-        try:
-            text = (self.logs / "model_log.log").read_text(errors="replace")
-        except FileNotFoundError:
+        text = self.model_log_text()
+        if text is None:
             return None
         loads = [dict((k, float(v)) for k, v in _PHASE.findall(line.split("[load]", 1)[1].rsplit(": ", 1)[-1]))
                  for line in text.splitlines() if "[load] variant=" in line]
@@ -99,9 +105,8 @@ class ServerLogs:
         """Where a request's time went inside the workers (handlers/profile.py): every `[profile]`
         line in model_log.log pooled, each phase in microseconds per request weighted by the
         requests of its line; None before any line."""
-        try:
-            text = (self.logs / "model_log.log").read_text(errors="replace")
-        except FileNotFoundError:
+        text = self.model_log_text()
+        if text is None:
             return None
         rows = [dict((k, float(v)) for k, v in _FIGURE.findall(line.split("[profile]", 1)[1]))
                 for line in text.splitlines() if "[profile] requests=" in line]
