@@ -21,6 +21,7 @@ figures come after it, in sections labelled offline. The work is done in this or
 4. report_decision.py  the first screen: the decision, worded from the summary;
    report_sections.py  the other sections as blocks (offline figures, variants, configuration…), and
    report_serving.py   the served model's (operating point, start-up and memory);
+   report_servers.py   TorchServe and Ray Serve side by side (serve_check.servers);
 5. report_render.py    the blocks as markdown and as HTML.
 
 This module holds the page's order (`build_blocks`) and writes the files (`write_report`).
@@ -36,6 +37,7 @@ from pipeline.publish.report_decision import decision_blocks
 from pipeline.publish.report_inputs import ReportInputs
 from pipeline.publish.report_plots import draw_plots
 from pipeline.publish.report_render import Block, Heading, render_html, render_markdown
+from pipeline.publish.report_servers import servers_blocks
 from pipeline.publish.report_serving import (quantized_alternative_blocks, rerank_load_blocks, startup_blocks,
                                              tuning_blocks)
 from pipeline.publish.report_summary import summary_metrics
@@ -48,6 +50,7 @@ def build_blocks(inputs: ReportInputs, summary: dict, images: dict[str, Path]) -
             *decision_blocks(inputs, summary),
             # How it was served and decided in TorchServe.
             *sections.serve_check_blocks(inputs),
+            *servers_blocks(inputs),
             *rerank_load_blocks(inputs),
             *tuning_blocks(inputs),
             *startup_blocks(inputs),
