@@ -243,5 +243,7 @@ class RayServe:
     def __enter__(self) -> "RayServe":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         self.stop()
+        if kind is None:          # kept after a failure: the replicas' logs say why
+            self.cleanup()
