@@ -10,8 +10,8 @@ concurrency, the server's ceilings served beside it (a do-nothing model at the w
 the comparison with the references (`references`, measured in their own run: `measured_at` says when).
 For task rerank, also a rerank load (`serve_check.rerank_texts` texts per query from `rerank_clients`
 clients) in rows/s against the model alone on the same requests, measured right after it
-(`rerank_load`). With `serve_check.servers` listing ray-serve, the same checks and load on the Ray Serve
-application (artifacts/ray-serve/), compared side by side (`servers`). Exits non-zero when the model never becomes READY, HTTP parity fails, a request is
+(`rerank_load`). With `servers` listing ray-serve, the same checks and load on the Ray Serve
+application (artifacts/ray-serve/), compared side by side (serve_check.json `servers`). Exits non-zero when the model never becomes READY, HTTP parity fails, a request is
 lost or gets a 5xx, or bad input is not rejected cleanly.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                          concurrency=load_concurrency(params)[0], time_cap_s=sc.time_cap_s, warmup_s=sc.warmup_s,
                          alternate=alternate, store_form=form, startup=startup_evidence(derivation))
     with_baseline(record, refs.get("baseline_detail") if sc.baseline else None)
-    if "ray-serve" in sc.servers:
+    if "ray-serve" in params.servers:
         # The second server, the same checks and load, right after TorchServe's (pipeline/serve/ray_serve_check.py).
         ray = check_ray_serve(name, RAY_SERVE_DIR / SERVE_CONFIG, cases, task=params.model.task,
                               atol=float(tol["atol"]), rtol=float(tol["rtol"]), gate=tol, requests=sc.requests,

@@ -331,15 +331,15 @@ SERVERS = ("torchserve", "ray-serve")
 
 
 def check_servers(p: Params) -> Iterator[Problem]:
-    servers = p.serve_check.servers
+    servers = p.servers
     for i, name in enumerate(servers):
         if name not in SERVERS:
-            yield Problem(f"serve_check.servers[{i}]", name, ", ".join(SERVERS))
+            yield Problem(f"servers[{i}]", name, ", ".join(SERVERS))
     if "torchserve" not in servers:
-        yield Problem("serve_check.servers", servers, "a list holding torchserve (the .mar is the first output; "
+        yield Problem("servers", servers, "a list holding torchserve (the .mar is the first output; "
                                                       "ray-serve is proven beside it)")
     if len(set(servers)) != len(servers):
-        yield Problem("serve_check.servers", servers, "each server at most once")
+        yield Problem("servers", servers, "each server at most once")
 
 
 def check_tune(p: Params) -> Iterator[Problem]:

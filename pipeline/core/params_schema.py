@@ -277,9 +277,6 @@ class ServeCheckParams:
     # the server formed (metrics/serve_check.json `rerank_load`; pipeline/serve/rerank_load.py).
     rerank_texts: int = 20
     rerank_clients: int = 4                    # see rerank_texts
-    # The servers the winner is proven in, under the same checks and load: torchserve (the .mar), ray-serve
-    # (artifacts/ray-serve/, written on every run either way; docs/ray-serve.md).
-    servers: list[str] = field(default_factory=lambda: ["torchserve"])
 
 
 @dataclass(frozen=True)
@@ -292,6 +289,9 @@ class PublishParams:
 class Params:
     model: ModelParams
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))   # the conversions built and compared; eager is the reference
+    # The servers serve_check proves the winner in, under the same checks and load: torchserve (the .mar), and
+    # ray-serve beside it (artifacts/ray-serve/, written on every run either way; docs/ray-serve.md).
+    servers: list[str] = field(default_factory=lambda: ["torchserve"])
     conversion: ConversionParams = field(default_factory=ConversionParams)
     benchmark: BenchmarkParams = field(default_factory=BenchmarkParams)
     serve: ServeParams = field(default_factory=ServeParams)

@@ -21,7 +21,7 @@ figures come after it, in sections labelled offline. The work is done in this or
 4. report_decision.py  the first screen: the decision, worded from the summary;
    report_sections.py  the other sections as blocks (offline figures, variants, configuration…), and
    report_serving.py   the served model's (operating point, start-up and memory);
-   report_servers.py   TorchServe and Ray Serve side by side (serve_check.servers);
+   report_servers.py   TorchServe and Ray Serve side by side (servers);
 5. report_render.py    the blocks as markdown and as HTML.
 
 This module holds the page's order (`build_blocks`) and writes the files (`write_report`).

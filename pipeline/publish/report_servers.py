@@ -34,7 +34,7 @@ def servers_blocks(inputs: ReportInputs) -> list[Block]:
     if not servers:
         return [head, Para("Ray Serve: `artifacts/ray-serve/serve_config.yaml` (`serve run` it from the repository "
                            "root) and `rayservice.yaml` (KubeRay) are written from the same settings, but were not "
-                           "proven in this run: add ray-serve to `serve_check.servers` to serve them under the same "
+                           "proven in this run: add ray-serve to `servers` to serve them under the same "
                            "checks and load (docs/ray-serve.md).")]
     ts, ray, r = servers.get("torchserve") or {}, servers.get("ray-serve") or {}, servers.get("ray_vs_torchserve") or {}
     rows = [[label, _cell(ts, label, key), _cell(ray, label, key)] for label, key in ROWS]

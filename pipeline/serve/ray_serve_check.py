@@ -3,7 +3,7 @@ bad input beside valid requests, warm-up, the measured load at the expected conc
 application the archive stage wrote (artifacts/ray-serve/serve_config.yaml, `serve run` of it on a loopback
 Ray, always stopped), in the same run and host as TorchServe's check, and the two compared.
 
-`serve_check.servers` lists ray-serve to run it (pipeline/core/params_schema.py). The record (serve_check.json
+`servers` lists ray-serve to run it (pipeline/core/params_schema.py). The record (serve_check.json
 `servers`): each server's READY, p50/p99, throughput, batches formed and SLO verdict, and Ray Serve / TorchServe
 ratios. Where the rest of the time goes: the handler's own time per request (its profile, the same code in
 both servers) against the client's wall time per request, for each server.

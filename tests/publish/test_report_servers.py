@@ -28,4 +28,4 @@ def test_side_by_side_table_and_ratios():
 
 def test_without_a_ray_serve_check_it_names_the_artifacts_and_the_param():
     text = " ".join(b.text for b in servers_blocks(_inputs({"ok": True})) if isinstance(b, Para))
-    assert "artifacts/ray-serve/serve_config.yaml" in text and "serve_check.servers" in text
+    assert "artifacts/ray-serve/serve_config.yaml" in text and "servers" in text
