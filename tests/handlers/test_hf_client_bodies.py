@@ -1,10 +1,12 @@
-"""The bodies `huggingface_hub.InferenceClient(base_url=...)` POSTs, answered by the task adapters in-process:
-the real client's methods (feature_extraction, text_classification, token_classification,
-image_classification) run unchanged, their `_inner_post` handed to the adapter + the eager model instead
-of the network, so each request is exactly the client's own body and each answer goes through the
-client's own parser. The answers equal the eager model's (and transformers' pipelines); today's bodies
-keep today's shapes; every option InferenceClient sends is accepted or refused with a 400 naming it;
-and in the serving handler, a bad Hugging Face body fails only itself."""
+"""The bodies `huggingface_hub.InferenceClient(base_url=...)` POSTs, answered by the task adapters in-process.
+Nothing is patched: each body is built by the client's own request code, the steps its methods
+(feature_extraction, text_classification, token_classification, image_classification) take before the POST
+(`get_provider_helper(...).prepare_request(...)` with the method's parameters, then the `httpx` request its
+session builds from it); the adapter + the eager model answer it as the serving handler does; and the answer
+bytes go through the parser the method applies to the response. The answers equal the eager model's (and
+transformers' pipelines); today's bodies keep today's shapes; every option InferenceClient sends is accepted
+or refused with a 400 naming it; and in the serving handler, a bad Hugging Face body fails only itself.
+The client over real HTTP is tests/serve/test_inference_client_served.py."""
 from __future__ import annotations
 
 import base64
@@ -22,26 +24,68 @@ from pipeline.model.checkpoint import load_model
 from tests.handlers.text_task_models import CLASSIFY_TEXTS, NER_TEXTS, pipeline_of, same_answers
 
 hub = pytest.importorskip("huggingface_hub")
+from huggingface_hub.inference._providers import get_provider_helper  # noqa: E402
+from huggingface_hub.utils import get_session  # noqa: E402
+
+URL = "http://127.0.0.1:1/predictions/m"
 
 
-def in_process_client(adapter, run):
-    """An InferenceClient whose POST is answered by `adapter` around `run(feeds) -> [batch-first outputs]`,
-    as the serving handler does; `client.sent` keeps each (body, content type) the client sent."""
-    client = hub.InferenceClient(base_url="http://127.0.0.1:1/predictions/m")
-    client.sent = []
+def client_request(task, inputs, parameters):
+    """(provider helper, body bytes, content type) of the POST `InferenceClient(base_url=URL)` makes for `task`:
+    the method's own `get_provider_helper(self.provider, task=..., model=self.model).prepare_request(...)`
+    (huggingface_hub/inference/_client.py), then the `httpx.Request` that `_inner_post`'s
+    `get_session().stream("POST", url, json=..., content=..., headers=...)` builds and sends; building it
+    reads and writes nothing."""
+    client = hub.InferenceClient(base_url=URL)
+    helper = get_provider_helper(client.provider, task=task, model=client.model)
+    params = helper.prepare_request(inputs=inputs, parameters=parameters, headers=client.headers,
+                                    model=client.model, api_key=client.token)
+    request = get_session().build_request("POST", params.url, json=params.json, content=params.data,
+                                          headers=params.headers, cookies=client.cookies)
+    assert str(request.url) == URL
+    return helper, request.read(), request.headers.get("content-type")
 
-    def post(request_parameters, *, stream=False):
-        if request_parameters.json is not None:
-            body, ct = json.dumps(request_parameters.json).encode(), "application/json"
-        else:
-            body, ct = bytes(request_parameters.data), request_parameters.headers.get("content-type")
-        client.sent.append((body, ct))
-        decoded = adapter.decode_request(body, ct)
-        outs = run(adapter.collate(decoded.rows))
-        return adapter.respond_request_bytes([[o[j] for o in outs] for j in range(len(decoded.rows))], decoded)
 
-    client._inner_post = post
-    return client
+class Answered:
+    """InferenceClient's methods, their bodies built and their answers parsed by huggingface_hub's own code
+    (each method below names the `_client.py` lines it repeats), the POST answered by `adapter` around
+    `run(feeds) -> [batch-first outputs]` as the serving handler does; `sent` keeps each (body, content type)."""
+
+    def __init__(self, adapter, run):
+        self.adapter, self.run, self.sent = adapter, run, []
+
+    def post(self, task, inputs, parameters):
+        helper, body, ct = client_request(task, inputs, parameters)
+        self.sent.append((body, ct))
+        decoded = self.adapter.decode_request(body, ct)
+        outs = self.run(self.adapter.collate(decoded.rows))
+        response = self.adapter.respond_request_bytes([[o[j] for o in outs] for j in range(len(decoded.rows))],
+                                                      decoded)
+        assert isinstance(response, bytes)                 # what `_inner_post` hands the parser
+        return helper, response
+
+    def feature_extraction(self, text, *, normalize=None, prompt_name=None, truncate=None,
+                           truncation_direction=None, dimensions=None, encoding_format=None):
+        helper, response = self.post("feature-extraction", text, {
+            "normalize": normalize, "prompt_name": prompt_name, "truncate": truncate,
+            "truncation_direction": truncation_direction, "dimensions": dimensions,
+            "encoding_format": encoding_format})
+        return np.array(helper.get_response(response), dtype="float32")   # InferenceClient.feature_extraction
+
+    def text_classification(self, text, *, function_to_apply=None, top_k=None):
+        _, response = self.post("text-classification", text, {"function_to_apply": function_to_apply,
+                                                              "top_k": top_k})
+        return hub.TextClassificationOutputElement.parse_obj_as_list(response)[0]  # InferenceClient.text_classification
+
+    def token_classification(self, text, *, aggregation_strategy=None, ignore_labels=None, stride=None):
+        _, response = self.post("token-classification", text, {"aggregation_strategy": aggregation_strategy,
+                                                               "ignore_labels": ignore_labels, "stride": stride})
+        return hub.TokenClassificationOutputElement.parse_obj_as_list(response)  # InferenceClient.token_classification
+
+    def image_classification(self, image, *, function_to_apply=None, top_k=None):
+        _, response = self.post("image-classification", image, {"function_to_apply": function_to_apply,
+                                                                "top_k": top_k})
+        return hub.ImageClassificationOutputElement.parse_obj_as_list(response)  # InferenceClient.image_classification
 
 
 def eager(lm):
@@ -80,7 +124,7 @@ def own_vector(adapter, run, doc_or_text):
 def test_feature_extraction_parses_and_equals_the_eager_model(embedder):
     lm, adapter = embedder
     run = eager(lm)
-    client = in_process_client(adapter, run)
+    client = Answered(adapter, run)
     texts = ["hello world", "a man plays the guitar in the garden", "the old dog sleeps"]
     one = client.feature_extraction(texts[0])
     assert one.shape == (1, lm.task["dim"]) and one.dtype == np.float32
@@ -207,7 +251,7 @@ def heads(tmp_path_factory):
 def test_text_classification_parses_as_a_list_of_labels(heads):
     folder, lm, adapter = heads["text-classification"]
     pipe = pipeline_of("text-classification", folder)
-    client = in_process_client(adapter, eager(lm))
+    client = Answered(adapter, eager(lm))
     for text in CLASSIFY_TEXTS:
         for kw in ({}, {"top_k": 2}, {"top_k": 3, "function_to_apply": "sigmoid"}, {"function_to_apply": "none"}):
             got = client.text_classification(text, **kw)
@@ -226,7 +270,7 @@ def test_text_classification_parses_as_a_list_of_labels(heads):
 def test_token_classification_parses_as_entities(heads):
     folder, lm, adapter = heads["token-classification"]
     pipe = pipeline_of("token-classification", folder)
-    client = in_process_client(adapter, eager(lm))
+    client = Answered(adapter, eager(lm))
     for text in NER_TEXTS:
         for strategy in ("simple", "first", "average", "max"):
             got = client.token_classification(text, aggregation_strategy=strategy, stride=4)
@@ -257,7 +301,7 @@ def test_image_classification_parses_raw_and_base64_bodies(tmp_path):
     def run(feeds):
         return [feeds["pixels"].reshape(len(feeds["pixels"]), -1) @ weights]
 
-    client = in_process_client(adapter, run)
+    client = Answered(adapter, run)
     buf = io.BytesIO()
     Image.fromarray(np.random.default_rng(1).integers(0, 255, (12, 20, 3), dtype=np.uint8)).save(buf, format="PNG")
     image = buf.getvalue()
