@@ -336,9 +336,11 @@ def build_archive(params: Params, *, selection_path: Path, variants_dir: Path, s
 
 def archive_packing(params: Params, *, selection_path: Path, variants_dir: Path, serve_dir: Path,
                     env_path: Path, archive_format: str = "zip-store",
-                    variant_name: Optional[str] = None) -> Packing:
+                    variant_name: Optional[str] = None, reference: bool = False) -> Packing:
     """What the winner's .mar holds, provenance.json included (`variant_name`: another converted
-    variant instead, e.g. the hand-tuned reference's onnx)."""
+    variant instead, e.g. the hand-tuned reference's onnx). A `reference`'s provenance leaves out the
+    winner's selection and the git revision: its bytes then change only with what it serves, so a
+    serve.* experiment or a new commit reuses its served record (the references stage)."""
     name = params.model.name
     selection = _read_json(selection_path, "the select stage's decision")
     winner = variant_name or selection.get("winner")
@@ -378,10 +380,10 @@ def archive_packing(params: Params, *, selection_path: Path, variants_dir: Path,
                    **checkpoint_sha256(checkpoint_path(params))},
         "verification": {k: conversion.get(k) for k in ("status", "reason", "dtype", "tolerance", "verification",
                                                          "conversion_s", "artifact_bytes")},
-        "selection": selection,
+        "selection": None if reference else selection,
         "environment": _read_json(env_path, "the probe stage's fingerprint") if env_path.exists() else None,
         "derivation": derivation,
-        "git": git_revision(),
+        "git": None if reference else git_revision(),
         "archiver": {"torch-model-archiver": _archiver_version(), "format": archive_format},
         "files": contents,
     }

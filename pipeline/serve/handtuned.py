@@ -121,7 +121,7 @@ def build_handtuned(params: Params, *, selection_path: Path, variants_dir: Path,
     # no derivation.json there, so provenance records none, as for every reference build).
     write_model_config(out_dir / "model-config.yaml", derivation, source=source)
     packing = archive_packing(params, selection_path=selection_path, variants_dir=variants_dir, serve_dir=out_dir,
-                              env_path=env_path, variant_name=VARIANT)
+                              env_path=env_path, variant_name=VARIANT, reference=True)
     props = write_config_properties(out_dir / "config.properties", derivation, model_name=params.model.name,
                                     model_store=out_dir.resolve(), source=source)
     recipe = write_recipe(out_dir, packing, config_properties=props.read_text())  # model_store: set when built

@@ -229,3 +229,22 @@ def test_torchserve_serves_the_reference_as_configured(tmp_path, built, tensor_o
         loads = (ts.logs / "model_log.log").read_text()
         # The torch-free ONNX handler warmed up in each worker, on one row as the pipeline's does on a CPU.
         assert loads.count("[load] variant=onnx family=onnx") == 2 and loads.count("warmup_bs1=") == 2
+
+
+def test_the_recipe_is_the_same_bytes_under_another_slo_selection_or_commit(tmp_path, tensor_onnx_params, stage_inputs):
+    """The references stage re-serves the hand-tuned setup only when its recipe's bytes change: a serve.*
+    experiment (the winner's selection names the SLO) or a new commit must leave them as they were."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert build_handtuned(tensor_onnx_params, out_dir=first, **stage_inputs) is not None
+    selection = json.loads(stage_inputs["selection_path"].read_text())
+    other = tmp_path / "selection.json"
+    other.write_text(json.dumps({**selection, "latency_slo_ms": 150.0, "message": "another SLO"}))
+    assert build_handtuned(tensor_onnx_params, out_dir=second, **{**stage_inputs, "selection_path": other}) is not None
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(second) for p in second.rglob("*") if p.is_file())
+    for name in files:
+        if name.name in ("config.properties", "recipe.json"):
+            continue          # they name the folder they lie in (model_store)
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    provenance = json.loads((first / "files" / "provenance.json").read_text())
+    assert provenance["git"] is None and provenance["selection"] is None     # nothing of the commit or the winner
