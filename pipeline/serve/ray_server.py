@@ -58,8 +58,8 @@ class RayServeApi:
 
     def describe_model(self, model: Optional[str] = None) -> dict:
         """TorchServe's describe shape: one worker per replica that has loaded, READY while its process lives."""
-        return {"workers": [{"id": f"replica-{i}", "pid": pid, "status": "READY" if psutil.pid_exists(pid) else "DEAD"}
-                            for i, pid in enumerate(self._logs.replica_pids())]}
+        return {"workers": [{"id": f"replica-{pid}", "pid": pid, "status": "READY" if psutil.pid_exists(pid) else "DEAD"}
+                            for pid in self._logs.replica_pids()]}
 
     def client(self, timeout_s: float = 120.0, retry_stale: bool = True) -> Client:
         return Client(self.inference_port, None, timeout_s, retry_stale)
@@ -91,14 +91,17 @@ class RayServeLogs(ServerLogs):
         super().__init__(ray_tmp, model_name)
 
     def replica_logs(self) -> list[Path]:
-        return sorted(self.logs.glob("ray/session_*/logs/serve/replica_*.log"))
+        # session_latest links to the session's folder: read through it, every line would count twice.
+        return sorted(p for p in self.logs.glob("ray/session_*/logs/serve/replica_*.log")
+                      if "session_latest" not in p.parts)
 
     def model_log_text(self) -> Optional[str]:
         paths = self.replica_logs()
         return "\n".join(p.read_text(errors="replace") for p in paths) if paths else None
 
     def replica_pids(self) -> list[int]:
-        return [int(pid) for pid in _REPLICA.findall(self.model_log_text() or "")]
+        """Every replica process that has loaded the model, in the order they did (a replaced one stays listed)."""
+        return list(dict.fromkeys(int(pid) for pid in _REPLICA.findall(self.model_log_text() or "")))
 
     def worker_load_ms(self) -> Optional[float]:
         phases = self.handler_load_ms()

@@ -57,3 +57,20 @@ def test_ray_app_resolves_the_relative_model_folder_in_the_repository():
     from handlers.serving import HandlerSetupError
     with pytest.raises(HandlerSetupError, match=r"artifacts/model_store/no-such-model.*dvc repro"):
         model_folder("artifacts/model_store/no-such-model")
+
+
+def test_replica_logs_are_read_once_through_ray_s_session_layout(tmp_path):
+    """Ray links session_latest to the session's folder: the replicas' lines (READY, batches) count once."""
+    from pipeline.serve.ray_server import RayServeLogs
+    serve_dir = tmp_path / "ray" / "session_2026-12-07_11-00-00_000000_1" / "logs" / "serve"
+    serve_dir.mkdir(parents=True)
+    (tmp_path / "ray" / "session_latest").symlink_to(serve_dir.parents[1])
+    a = "0f0e8a52-1111-4d3c-9c39-0a4f5e6b7c8d"
+    b = "0f0e8a52-2222-4d3c-9c39-0a4f5e6b7c8d"
+    (serve_dir / "replica_m_model_x.log").write_text(
+        "INFO [replica] pid=101 ready\nINFO [batch] size=2 ids=%s,%s\nINFO [batch] size=1 ids=%s\n" % (a, b, a))
+    (serve_dir / "replica_m_model_y.log").write_text("INFO [replica] pid=102 ready\nINFO [replica] pid=102 ready\n")
+    logs = RayServeLogs(tmp_path, "m")
+    assert len(logs.replica_logs()) == 2 and logs.replica_pids() == [101, 102]
+    assert sorted(len(x) for x in logs.batches()) == [1, 2]
+    assert logs.batch_sizes_for([a, b], wait_s=0) == {2: 1, 1: 1}
