@@ -192,7 +192,7 @@ def test_folder_store_chosen_above_threshold_served_and_measured_against_the_mar
         "model": {"name": "signalnet", "source": "state_dict", "checkpoint": "examples/tensor/weights.safetensors",
                   "factory": "examples/tensor/model.py:build", "task": "tensor", "input_shape": [16, 32]},
         "serve": {"folder_store_min_mb": threshold_mb},
-        "serve_check": {"requests": 16, "concurrency": 4, "time_cap_s": 60, "baseline": False,
+        "serve_check": {"requests": 16, "concurrency": 4, "time_cap_s": 60, "warmup_s": 1, "baseline": False,
                         "handtuned": False}}))
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))
     assert configure.main(["--out", str(serve), "--selection", str(inputs["selection_path"]),

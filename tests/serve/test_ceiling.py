@@ -69,7 +69,7 @@ def test_stage_serves_the_ceiling_beside_the_winner(tmp_path, monkeypatch, tenso
     params.write_text(json.dumps({
         "model": {"name": "signalnet", "source": "state_dict", "checkpoint": "examples/tensor/weights.safetensors",
                   "factory": "examples/tensor/model.py:build", "task": "tensor", "input_shape": [16, 32]},
-        "serve_check": {"requests": 48, "concurrency": 4, "time_cap_s": 60, "rounds": 1, "baseline": False,
+        "serve_check": {"requests": 48, "concurrency": 4, "time_cap_s": 60, "rounds": 1, "warmup_s": 1, "baseline": False,
                         "handtuned": False}}))
     out = tmp_path / "serve_check.json"
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))

@@ -24,6 +24,10 @@ from tests.serve.test_torchserve import DERIVED, DOUBLE_HANDLER, assert_nothing_
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
 
+# The stage tests' warm-up cap: the default 10 s (stretched while the JVM's compilers are busy) is
+# the real pipeline's; the warm-up itself is tested on its own below.
+WARMUP_S = 1.0
+
 CASES = [HttpCase(f"c{i}", "application/json", json.dumps(x).encode(), [2 * v for v in x])
          for i, x in enumerate([[1, 2, 3], [0.5, -1.25, 4], [10, 20, 30], [-3, 0, 3], [7, 7, 7], [1e-3, 2, 5]])]
 
@@ -275,7 +279,8 @@ def test_stage_end_to_end_winner_vs_baseline(tmp_path, monkeypatch):
     params.write_text(json.dumps({
         "model": {"name": "double", "source": "state_dict", "checkpoint": "unused.pt",
                   "factory": "unused.py:build", "task": "tensor", "input_shape": [3]},
-        "serve_check": {"requests": 40, "concurrency": 4, "time_cap_s": 60, "rounds": 2, "decided_band": 0}}))
+        "serve_check": {"requests": 40, "concurrency": 4, "time_cap_s": 60, "rounds": 2, "decided_band": 0,
+                        "warmup_s": WARMUP_S}}))
     out = tmp_path / "metrics" / "serve_check.json"
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))
     references = run_references_stage(tmp_path, monkeypatch, baseline, golden)
@@ -363,7 +368,7 @@ def test_stage_end_to_end_on_real_handlers_and_archive(tmp_path, monkeypatch, te
     params.write_text(json.dumps({
         "model": {"name": "signalnet", "source": "state_dict", "checkpoint": "examples/tensor/weights.safetensors",
                   "factory": "examples/tensor/model.py:build", "task": "tensor", "input_shape": [16, 32]},
-        "serve_check": {"requests": 32, "concurrency": 4, "time_cap_s": 60, "rounds": 1}}))
+        "serve_check": {"requests": 32, "concurrency": 4, "time_cap_s": 60, "rounds": 1, "warmup_s": WARMUP_S}}))
     out = tmp_path / "serve_check.json"
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))
     references = run_references_stage(tmp_path, monkeypatch, baseline, golden)
@@ -430,7 +435,8 @@ def serve_check_inputs(tmp_path, monkeypatch, name: str, store, serve, golden, d
     params.write_text(json.dumps({
         "model": {"name": name, "source": "state_dict", "checkpoint": "unused.pt",
                   "factory": "unused.py:build", "task": "tensor", "input_shape": [3]},
-        "serve_check": {"requests": 4, "concurrency": 2, "baseline": False, "handtuned": False}}))
+        "serve_check": {"requests": 4, "concurrency": 2, "baseline": False, "handtuned": False,
+                        "warmup_s": WARMUP_S}}))
     out = tmp_path / "serve_check.json"
     monkeypatch.setenv("PIPELINE_PARAMS", str(params))
     for attr, value in (("MODEL_STORE", store), ("SERVE_DIR", serve), ("GOLDEN_DIR", golden),
