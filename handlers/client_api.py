@@ -74,12 +74,17 @@ class EmbeddingsRequest:
         self.encoding, self.dimensions, self.normalize, self.model = encoding, dimensions, normalize, model
 
 
+def _texts_request(body: bytes, allowed: tuple, key: str, usage: str) -> tuple[dict, list[str]]:
+    """The client's JSON object (only its API's keys) and its texts under `key`."""
+    doc = _object(body, usage)
+    _unknown(doc, allowed, usage)
+    if key not in doc:
+        raise RequestError(400, f"`{key}` is missing; {usage}")
+    return doc, _texts(doc[key], key, usage)
+
+
 def openai_embeddings(body: bytes) -> EmbeddingsRequest:
-    doc = _object(body, OPENAI_USAGE)
-    _unknown(doc, OPENAI_KEYS, OPENAI_USAGE)
-    if "input" not in doc:
-        raise RequestError(400, f"`input` is missing; {OPENAI_USAGE}")
-    texts = _texts(doc["input"], "input", OPENAI_USAGE)
+    doc, texts = _texts_request(body, OPENAI_KEYS, "input", OPENAI_USAGE)
     encoding = doc.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise RequestError(400, f'`encoding_format` = {encoding!r}: use "float" or "base64"')
@@ -92,11 +97,7 @@ def openai_embeddings(body: bytes) -> EmbeddingsRequest:
 
 
 def tei_embed(body: bytes) -> EmbeddingsRequest:
-    doc = _object(body, TEI_USAGE)
-    _unknown(doc, TEI_EMBED_KEYS, TEI_USAGE)
-    if "inputs" not in doc:
-        raise RequestError(400, f"`inputs` is missing; {TEI_USAGE}")
-    texts = _texts(doc["inputs"], "inputs", TEI_USAGE)
+    doc, texts = _texts_request(body, TEI_EMBED_KEYS, "inputs", TEI_USAGE)
     normalize = doc.get("normalize", True)
     if not isinstance(normalize, bool):
         raise RequestError(400, f"`normalize` = {normalize!r}: needs true or false")

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 from fastapi import FastAPI, Request
@@ -184,33 +184,34 @@ class ModelDeployment:
             return status, client_api.error_message(answer)
         return 200, client_api.vectors(parsed, answer)
 
-    @api.post("/v1/embeddings")
-    async def openai_embeddings(self, request: Request) -> Response:
-        refused = self.refuse_route("/v1/embeddings")
+    async def client_embeddings(self, route: str, request: Request, parse: Callable, error: Callable,
+                                answer: Callable) -> Response:
+        """One client API's embeddings route: its body parsed by `parse`, its errors in `error`'s shape,
+        its vectors in `answer`'s (handlers/client_api.py)."""
+        refused = self.refuse_route(route)
         if refused is not None:
             return refused
         try:
-            parsed = client_api.openai_embeddings(await request.body())
+            parsed = parse(await request.body())
             status, result = await self.embeddings(parsed)
         except RequestError as e:
             status, result = e.status, e.message
         if status != 200:
-            return JSONResponse(client_api.openai_error(status, result), status_code=status)
-        tokens = sum(len(e.ids) for e in self.handler.adapter.tokenizer.encode_batch(parsed.texts))
-        return Response(json_bytes(client_api.openai_answer(parsed, result, self.name, tokens)), media_type=JSON)
+            return JSONResponse(error(status, result), status_code=status)
+        return Response(json_bytes(answer(parsed, result)), media_type=JSON)
+
+    @api.post("/v1/embeddings")
+    async def openai_embeddings(self, request: Request) -> Response:
+        def answer(parsed, rows):
+            tokens = sum(len(e.ids) for e in self.handler.adapter.tokenizer.encode_batch(parsed.texts))
+            return client_api.openai_answer(parsed, rows, self.name, tokens)
+        return await self.client_embeddings("/v1/embeddings", request, client_api.openai_embeddings,
+                                            client_api.openai_error, answer)
 
     @api.post("/embed")
     async def tei_embed(self, request: Request) -> Response:
-        refused = self.refuse_route("/embed")
-        if refused is not None:
-            return refused
-        try:
-            status, result = await self.embeddings(client_api.tei_embed(await request.body()))
-        except RequestError as e:
-            status, result = e.status, e.message
-        if status != 200:
-            return JSONResponse(client_api.tei_error(status, result), status_code=status)
-        return Response(json_bytes(result), media_type=JSON)
+        return await self.client_embeddings("/embed", request, client_api.tei_embed, client_api.tei_error,
+                                            lambda parsed, rows: rows)
 
     # ------------------------------------------------------------------ health and metadata
     @api.get("/health")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.measure.cold import DEFAULT_FEEDS, DEFAULT_LOADER
+from pipeline.measure.effort import effort_for
 from pipeline.host.device import DeviceError, resolve_device
 from pipeline.measure.lock import DeviceBusyError, device_lock
 from pipeline.measure.runner import (BenchmarkSettings, benchmark_or_record, curve_rows, load_rows, outcome_record,
@@ -53,7 +54,11 @@ def run(variant: str, params, *, variants_dir: Path = VARIANTS_DIR, metrics_dir:
             if waited > 1:
                 log.info("waited %.1f s for the %s device lock", waited, device)
             t0 = time.monotonic()
-            record = benchmark_or_record(variants_dir / variant, variant, settings, device, loader, feeds)
+            effort = effort_for(variants_dir / variant, variant, settings)
+            if effort.why:
+                log.info("%s: measured %s: %s", variant, effort.level, effort.why)
+            record = benchmark_or_record(variants_dir / variant, variant, effort.settings, device, loader, feeds)
+            record["effort"] = effort.as_dict()
             log.info("%s: %s in %.1f s", variant, record["status"], time.monotonic() - t0)
     except (DeviceError, DeviceBusyError) as e:
         record = outcome_record(variant, "failed", str(e), device, None)

@@ -317,6 +317,11 @@ def check_serve(p: Params) -> Iterator[Problem]:
                       f"at most benchmark.latency_cap_ms ({cap:g} ms): the benchmark's sweep stops after the "
                       f"first batch whose p99 passes the cap, so batches this SLO could serve would go "
                       f"unmeasured; raise benchmark.latency_cap_ms too (the benchmarks then run again)")
+    if sv.allow_quantized and p.benchmark.inexact == "brief":
+        # An inexact variant may then win: it needs the figures every other contender has.
+        yield Problem("serve.allow_quantized", True,
+                      "set together with benchmark.inexact: full, so that the variants it lets win are measured "
+                      "as fully as the others (with brief they get 2 rounds; their benchmarks run again)")
     ports = {"inference_port": sv.inference_port, "management_port": sv.management_port,
              "metrics_port": sv.metrics_port}
     if len(set(ports.values())) != len(ports):

@@ -183,6 +183,11 @@ class BenchmarkParams:
     # fresh host pays, against the disk read of the same bytes (the page-cache runs price it against
     # a memory copy). Costs one cold load per variant.
     from_disk: bool = True
+    # A variant that is not exact (quantized, or one that changes the task's answers) cannot win unless
+    # serve.allow_quantized is true. brief: it gets the 2 required rounds and no start from disk, its
+    # figures showing what opting in would give (pipeline/measure/effort.py); full: measured as every
+    # other variant (needed with serve.allow_quantized: true, where it may win).
+    inexact: Literal["brief", "full"] = "brief"
 
 
 @dataclass(frozen=True)

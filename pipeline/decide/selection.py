@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from pipeline.accuracy.exactness import OPT_IN, inexact_because
 from pipeline.decide.serve_config import (DerivationError, OperatingPoint, choose_operating_point,
                                    cold_load_ms, curve_from_benchmark, fill_limit, worker_memory_mb)
 
@@ -26,9 +27,6 @@ from pipeline.decide.serve_config import (DerivationError, OperatingPoint, choos
 #   onnx-int8-dynamic, onnx-int8-static, int8 — quantized: judged by the task's gate rather than
 #                 per element, hardware-dependent speed (VNNI/AMX), last: they win only when faster
 #                 beyond the noise.
-QUANTIZED = ("onnx-int8-dynamic", "onnx-int8-static", "int8")
-OPT_IN = "serve.allow_quantized: true"     # the params.yaml line that lets an inexact variant win (int8, or a
-                                           # float one that changes the task's answers)
 SIMPLICITY_ORDER = ("onnx", "torchscript", "eager", "aoti", "onnx-fp16", "fp16", "bf16",
                     "onnx-int8-dynamic", "onnx-int8-static", "int8")
 
@@ -177,6 +175,10 @@ def evaluate(variant: str, conversion: Optional[dict], benchmark: Optional[dict]
         "worker_memory_mb": mem, "memory_kind": mem_kind,
         "cold_load_median_ms": cold_med, "cold_load_max_ms": cold_max,
     })
+    effort = benchmark.get("effort") or {}
+    if effort.get("level") == "brief":     # pipeline/measure/effort.py: an inexact variant, measured in 2 rounds
+        c.figures["benchmark_effort"] = "brief"
+        c.reasons.append("benchmark: measured briefly (2 rounds, no start from disk; benchmark.inexact: brief)")
     if r != 1.0:   # batch_size and throughput_sps are rows; TorchServe's batch is batch_requests requests
         c.figures.update({"rows_per_request": r, "batch_requests": op.batch_requests})
 
@@ -271,23 +273,17 @@ def select(variants: list[str], conversions: dict[str, Optional[dict]], benchmar
     }
 
 
-def changes_answers(c: Candidate) -> bool:
-    """A float variant within its tolerance whose answers (labels, order, entities) still differ from eager's."""
-    return (c.figures.get("answers") or {}).get("exact") is False
-
-
 def hold_back_quantized(cands: list[Candidate], criteria: Criteria) -> list[Candidate]:
     """Exact by default: unless the user opts in, quantized variants, and float ones that change the
     task's answers, cannot win (nor be the closest accurate fallback); they keep their figures so the
     decision can show what they would give."""
     if criteria.allow_quantized:
         return []
-    held = [c for c in cands if (c.variant in QUANTIZED or changes_answers(c)) and c.accurate]
+    held = [c for c in cands if c.accurate and inexact_because(c.variant, c.figures.get("answers"))]
     for c in held:
         c.was = c.status
         c.status, c.accurate = "opt-in", False
-        why = ("quantized: its answers move beyond the float tolerances" if c.variant in QUANTIZED else
-               f"within its float tolerance, but {c.figures['answers']['reason']}")
+        why = inexact_because(c.variant, c.figures.get("answers"))
         c.reasons.append(f"{why}, so it is served only when params.yaml says `{OPT_IN}`")
     return held
 

@@ -138,6 +138,7 @@ class BenchmarkSettings:
     text_length: int = 24
     tensorrt: bool = False           # ONNX on CUDA: ask the loader for the TensorRT EP first
     from_disk: bool = True           # one more cold start with the artifact dropped from the page cache
+    inexact: str = "brief"           # how a variant that cannot win by default is measured (effort.py)
     cold_timeout_s: float = 300.0
 
     @classmethod

@@ -89,15 +89,30 @@ class RayServeLogs(ServerLogs):
 
     def __init__(self, ray_tmp: Path, model_name: str):
         super().__init__(ray_tmp, model_name)
+        self._read: dict[Path, bytearray] = {}      # each replica log's bytes read so far
 
     def replica_logs(self) -> list[Path]:
         # session_latest links to the session's folder: read through it, every line would count twice.
         return sorted(p for p in self.logs.glob("ray/session_*/logs/serve/replica_*.log")
                       if "session_latest" not in p.parts)
 
+    def _log_bytes(self, path: Path) -> bytes:
+        """The log's bytes: only what was appended since the last call is read (the readiness poll and
+        the checks ask again and again while the logs grow with every batch)."""
+        seen = self._read.setdefault(path, bytearray())
+        try:
+            with path.open("rb") as f:
+                if os.fstat(f.fileno()).st_size < len(seen):       # rotated or rewritten: read it afresh
+                    seen.clear()
+                f.seek(len(seen))
+                seen += f.read()
+        except FileNotFoundError:
+            pass
+        return bytes(seen)
+
     def model_log_text(self) -> Optional[str]:
         paths = self.replica_logs()
-        return "\n".join(p.read_text(errors="replace") for p in paths) if paths else None
+        return "\n".join(self._log_bytes(p).decode(errors="replace") for p in paths) if paths else None
 
     def replica_pids(self) -> list[int]:
         """Every replica process that has loaded the model, in the order they did (a replaced one stays listed)."""
@@ -111,7 +126,7 @@ class RayServeLogs(ServerLogs):
         return [frozenset(ids.split(",")) for ids in _BATCH.findall(self.model_log_text() or "") if ids]
 
     def log_tail(self, n: int = 40) -> str:
-        return "\n".join(f"== {p} ==\n" + "\n".join(p.read_text(errors="replace").splitlines()[-n:])
+        return "\n".join(f"== {p} ==\n" + "\n".join(self._log_bytes(p).decode(errors="replace").splitlines()[-n:])
                          for p in self.replica_logs()) or "(no replica log)"
 
 

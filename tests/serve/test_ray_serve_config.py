@@ -74,3 +74,9 @@ def test_replica_logs_are_read_once_through_ray_s_session_layout(tmp_path):
     assert len(logs.replica_logs()) == 2 and logs.replica_pids() == [101, 102]
     assert sorted(len(x) for x in logs.batches()) == [1, 2]
     assert logs.batch_sizes_for([a, b], wait_s=0) == {2: 1, 1: 1}
+    # Lines appended later are read (only the new bytes); a log rewritten shorter is read afresh.
+    with (serve_dir / "replica_m_model_x.log").open("a") as f:
+        f.write("INFO [batch] size=1 ids=%s\n" % b)
+    assert sorted(len(x) for x in logs.batches()) == [1, 1, 2]
+    (serve_dir / "replica_m_model_x.log").write_text("INFO [replica] pid=103 ready\n")
+    assert logs.replica_pids() == [103, 102] and logs.batches() == []
