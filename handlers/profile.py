@@ -8,7 +8,7 @@ line are logged as one line per worker — often enough that a short load leaves
     [profile] requests=812 batches=104 decode_us=31.2 collate_us=2.1 model_us=1411.0 respond_us=9.8 handle_us=1458.3
 
 each figure in microseconds per request. The line goes to the worker's log, where the pipeline reads
-it under load (pipeline/serve/torchserve_logs.py).
+it under load (pipeline/serve/server/torchserve_logs.py).
 """
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ class ModelDeployment:
         log.info("[load] %s on Ray Serve: variant %s, batch %d, delay %.3f s, loaded in %.2f s", model_name,
                  self.variant.get("variant"), self._batched._get_max_batch_size(),
                  self._batched._get_batch_wait_timeout_s(), self.load_s)
-        log.info("[replica] pid=%d ready", os.getpid())     # pipeline/serve/ray_server.py counts these
+        log.info("[replica] pid=%d ready", os.getpid())     # pipeline/serve/server/ray_server.py counts these
 
     def configure_batching(self, max_batch_size: int, wait_s: float) -> None:
         self._batched.set_max_batch_size(max(1, int(max_batch_size)))

@@ -1,8 +1,8 @@
 """archive: pack the winner into artifacts/model_store/<name>.mar, and write the recipes of the
 references serve_check compares it with: the naive baseline into artifacts/baseline/ and the
-hand-tuned ONNX setup into artifacts/handtuned/ (pipeline/serve/handtuned.py). A recipe names the
+hand-tuned ONNX setup into artifacts/handtuned/ (pipeline/serve/reference/handtuned.py). A recipe names the
 files its .mar packs where they already lie (the checkpoint, the onnx variant) and stores the small
-ones; serve_check packs it while it serves it (pipeline/serve/reference_archives.py).
+ones; serve_check packs it while it serves it (pipeline/serve/reference/reference_archives.py).
 
     python -m stages.archive [--params FILE] [--no-baseline]
 
@@ -25,11 +25,11 @@ from typing import Optional
 
 from pipeline.serve.archive import ArchiveError, build_archive
 from pipeline.core.params import ParamsError, load_params
-from pipeline.serve.handtuned import build_handtuned
-from pipeline.serve.reference_archives import write_baseline
+from pipeline.serve.reference.handtuned import build_handtuned
+from pipeline.serve.reference.reference_archives import write_baseline
 from pipeline.core.paths import (BASELINE_DIR, BENCHMARK_METRICS, ENV_JSON, HANDTUNED_DIR, MODEL_STORE, RAY_SERVE_DIR,
                                  SELECTION_JSON, SERVE_DIR, VARIANTS_DIR)
-from pipeline.serve.ray_serve_config import write_ray_serve
+from pipeline.serve.server.ray_serve_config import write_ray_serve
 from pipeline.decide.store_form import unpack_mar
 
 log = logging.getLogger("stages.archive")

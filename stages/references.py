@@ -1,5 +1,5 @@
 """references: the hand-tuned setup and the naive baseline measured in a real TorchServe, once per host,
-model, load and recipe (pipeline/serve/references.py).
+model, load and recipe (pipeline/serve/reference/references.py).
 
     python -m stages.references
 
@@ -19,11 +19,11 @@ import sys
 from pipeline.core.params import ParamsError, load_concurrency, load_params
 from pipeline.core.paths import BASELINE_DIR, GOLDEN_DIR, HANDTUNED_DIR, REFERENCES_JSON, SCRATCH_DIR
 from pipeline.serve.archive import ArchiveError
-from pipeline.serve.http_cases import load_http_cases
-from pipeline.serve.reference_archives import RECIPE, build_reference, scratch_dir
-from pipeline.serve.references import measure_references
+from pipeline.serve.checks.http_cases import load_http_cases
+from pipeline.serve.reference.reference_archives import RECIPE, build_reference, scratch_dir
+from pipeline.serve.reference.references import measure_references
 from pipeline.serve.serve_check import ServerSpec
-from pipeline.serve.torchserve import start_command_env
+from pipeline.serve.server.torchserve import start_command_env
 
 log = logging.getLogger("stages.references")
 
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
 
 def handtuned_setup(params) -> dict:
     """handtuned.json of the archive stage, or why the hand-tuned reference is not served."""
-    from pipeline.serve.handtuned import read_handtuned
+    from pipeline.serve.reference.handtuned import read_handtuned
     name = params.model.name
     if not params.serve_check.handtuned:
         return {"available": False, "reason": "serve_check.handtuned is false"}

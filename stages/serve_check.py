@@ -25,18 +25,18 @@ from pipeline.core.params import ParamsError, as_dict, load_concurrency, load_pa
 from pipeline.core.paths import (GOLDEN_DIR, MODEL_STORE, RAY_SERVE_DIR, REFERENCES_JSON, SERVE_CHECK_JSON, SERVE_DIR,
                                  benchmark_json, variant_dir)
 from pipeline.core.numbers import rounded
-from pipeline.serve.load import LOAD_KIND
-from pipeline.serve.ceiling import (CEILING, CEILING_EMPTY, ceiling_spec, model_alone_rps, served_bound,
+from pipeline.serve.checks.load import LOAD_KIND
+from pipeline.serve.reference.ceiling import (CEILING, CEILING_EMPTY, ceiling_spec, model_alone_rps, served_bound,
                                     served_size_answer, served_variant)
-from pipeline.serve.http_cases import load_http_cases, tolerance_from_mar
+from pipeline.serve.checks.http_cases import load_http_cases, tolerance_from_mar
 from pipeline.serve.ray_serve_check import check_ray_serve, compare_servers
-from pipeline.serve.ray_serve_config import SERVE_CONFIG
-from pipeline.serve.references import setups_at_slo
-from pipeline.serve.rerank_load import failures_of, measure_rerank_load, rerank_cases
+from pipeline.serve.server.ray_serve_config import SERVE_CONFIG
+from pipeline.serve.reference.references import setups_at_slo
+from pipeline.serve.checks.rerank_load import failures_of, measure_rerank_load, rerank_cases
 from pipeline.serve.serve_check import ServerSpec, serve_check, with_baseline
-from pipeline.serve.server_floor import measure_server_floor, readiness_vs_floor
-from pipeline.serve.startup_check import startup_evidence
-from pipeline.serve.torchserve import start_command_env
+from pipeline.serve.server.server_floor import measure_server_floor, readiness_vs_floor
+from pipeline.serve.server.startup_check import startup_evidence
+from pipeline.serve.server.torchserve import start_command_env
 from pipeline.decide.store_form import FORMS, form_of, store_entry
 
 log = logging.getLogger("stages.serve_check")
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     if record["ok"]:
         record["references"] = references(params, forms[form], record, cases, refs)
     record["reference_archives"] = refs.get("reference_archives")
-    # The server's own floor, as the model is served (pipeline/serve/server_floor.py): READY is judged
+    # The server's own floor, as the model is served (pipeline/serve/server/server_floor.py): READY is judged
     # against floor + raw read of the artifact. The empty-answer ceiling served in the references'
     # rounds is that start already (a do-nothing model, the served config, workers and environment,
     # after the run's earlier starts); only without it is a do-nothing model started for it.
@@ -167,9 +167,9 @@ def read_references(params):
 
 def references(params, winner: ServerSpec, record: dict, cases, refs: dict) -> dict:
     """The winner and the server's ceilings (a do-nothing handler served as the model is) in rounds
-    (pipeline/serve/reference_rounds.py; the checks already run count as round 1), beside the
+    (pipeline/serve/reference/reference_rounds.py; the checks already run count as round 1), beside the
     hand-tuned setup and the naive baseline as the references stage measured them."""
-    from pipeline.serve.reference_rounds import interleaved_rounds, ratios
+    from pipeline.serve.reference.reference_rounds import interleaved_rounds, ratios
     sc, name = params.serve_check, params.model.name
     specs, first = {"winner": winner}, {"winner": record["winner"]}
     if (SERVE_DIR / "model-config.yaml").is_file():
@@ -215,7 +215,7 @@ def references(params, winner: ServerSpec, record: dict, cases, refs: dict) -> d
 def rerank_load(params, winner: ServerSpec, derivation: Optional[dict]) -> dict:
     """The winner under `serve_check.rerank_texts` texts per query from `rerank_clients` keep-alive
     clients: rows/s served, the model alone's rows/s on the same requests measured right after it
-    (the benchmark's figure at the calls it formed beside it), their ratio (pipeline/serve/rerank_load.py)."""
+    (the benchmark's figure at the calls it formed beside it), their ratio (pipeline/serve/checks/rerank_load.py)."""
     sc = params.serve_check
     derivation = derivation or {}
     batch_rows = int(_value(derivation, "batch_rows") or _value(derivation, "batch_size") or 1)
@@ -259,7 +259,7 @@ def model_alone_before(name: str) -> Optional[dict]:
 
 
 def bound_of(name: str, setups: dict, cases: list, earlier: Optional[dict] = None) -> dict:
-    """Served vs what the server and the model together permit (pipeline/serve/ceiling.py), in
+    """Served vs what the server and the model together permit (pipeline/serve/reference/ceiling.py), in
     requests/s: the model alone measured in this run on the served requests, else the benchmark's
     rows/s at the served rows per model call ÷ rows per request (pipeline/decide/rows.py)."""
     derivation_path = SERVE_DIR / "derivation.json"
@@ -301,11 +301,11 @@ def measured_model_alone(variant: str, batch: int, workers: int) -> Optional[dic
 
 
 def run_model_alone(variant: str, batch: int, workers: int, *, cases=None, batch_rows: Optional[int] = None) -> dict:
-    """pipeline/serve/model_alone.py's record: the served variant in `workers` processes, run as
+    """pipeline/serve/checks/model_alone.py's record: the served variant in `workers` processes, run as
     model-config.yaml says the workers run it (threads, device, rows per model call), on `cases`
     (HttpCase list) or else the golden HTTP cases, in server batches of `batch` requests."""
     import yaml
-    from pipeline.serve.model_alone import measure, measure_cases
+    from pipeline.serve.checks.model_alone import measure, measure_cases
     path = SERVE_DIR / "model-config.yaml"
     handler = ((yaml.safe_load(path.read_text()) or {}).get("handler") or {}) if path.is_file() else {}
     threads = handler.get("threads") or None

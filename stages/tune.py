@@ -27,13 +27,13 @@ from pipeline.core.paths import (BENCHMARK_METRICS, CONFIGURED_DIR, CONTENDERS, 
                             SERVE_DIR, TUNING_METRICS, VARIANTS_DIR)
 from pipeline.decide.properties import ConfigWriteError, write_serve_files
 from pipeline.decide.selection import tied_contenders
-from pipeline.serve.http_cases import load_http_cases
+from pipeline.serve.checks.http_cases import load_http_cases
 from pipeline.decide.serve_config import (DerivationError, curve_from_benchmark, rows_of_derivation, usable_cores,
                                           values)
-from pipeline.serve.candidates import FRONTEND_CANDIDATES, candidates_from_curve, with_timeouts
-from pipeline.serve.decision import TuningError
-from pipeline.serve.tuner import ServedModel
-from pipeline.serve.tuning import (Contender, TuneSettings, frontend_properties, progress_bar, tune, tuned_derivation,
+from pipeline.serve.tune.candidates import FRONTEND_CANDIDATES, candidates_from_curve, with_timeouts
+from pipeline.serve.tune.decision import TuningError
+from pipeline.serve.tune.tuner import ServedModel
+from pipeline.serve.tune.tuning import (Contender, TuneSettings, frontend_properties, progress_bar, tune, tuned_derivation,
                                    variant_contest)
 
 log = logging.getLogger("stages.tune")
@@ -155,7 +155,7 @@ def operating_candidates(params, env: dict, proposal: Path, variant: str) -> tup
 
 def run_contest(params, env: dict, proposals: dict, contenders: list[str], cases, settings: TuneSettings,
                 store: Path, tmp: Path) -> dict:
-    """Serve the variants tied offline against each other (pipeline.serve.tuning.variant_contest), logged."""
+    """Serve the variants tied offline against each other (pipeline.serve.tune.tuning.variant_contest), logged."""
     log.info("contest: %s are within the benchmark's noise of each other; serving each at its offline point",
              ", ".join(contenders))
     entries = [Contender(v, served_model(params, proposals[v], v, store),

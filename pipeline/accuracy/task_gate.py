@@ -14,7 +14,7 @@ job. So (thresholds from `conversion.tolerances.<dtype>`):
   (`[{"label", "score"}]`, best first).
 - tensor: the element-wise rule (atol/rtol + per-sample cosine), judged by pipeline.accuracy.verify.
 The same figures judge the golden set (pipeline.accuracy.verify), the calibration set during the sensitivity
-fallback (pipeline.build.variants.int8) and the HTTP responses of a served .mar (pipeline.serve.parity).
+fallback (pipeline.build.variants.int8) and the HTTP responses of a served .mar (pipeline.serve.checks.parity).
 Only numpy here.
 """
 from __future__ import annotations

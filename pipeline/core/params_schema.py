@@ -246,7 +246,7 @@ class ServeParams:
 
 @dataclass(frozen=True)
 class TuneParams:
-    """The tune stage (pipeline/serve/tuning.py): candidates served in a real TorchServe under the expected load."""
+    """The tune stage (pipeline/serve/tune/tuning.py): candidates served in a real TorchServe under the expected load."""
     enabled: bool = True                       # false: the offline choice is served untested (verdict: predicted)
     rounds: int = 2                            # every candidate served this many times, interleaved
     max_rounds: int = 4                        # a comparison still undecided (better, within noise) gets more, up to this
@@ -272,14 +272,14 @@ class ServeCheckParams:
     warmup_s: float = 10.0
     # The references stage serves these once per host, model, load and recipe (metrics/references.json):
     baseline: bool = True                      # the naive baseline (default handler, fp32 eager, batch 1)
-    handtuned: bool = True                     # the hand-tuned ONNX reference (pipeline/serve/handtuned.py)
+    handtuned: bool = True                     # the hand-tuned ONNX reference (pipeline/serve/reference/handtuned.py)
     rounds: int = 2                            # the references' interleaved rounds; the winner's with the ceilings...
     # ...served again only while a comparison is undecided: throughput, p99 or READY within this
     # share of parity (0: every round for every setup)
     decided_band: float = 0.25
     # Task rerank only (issue 26): a load of this many texts per query from this many keep-alive
     # clients against the winner, its rows/s against the model's own offline rows/s at the batches
-    # the server formed (metrics/serve_check.json `rerank_load`; pipeline/serve/rerank_load.py).
+    # the server formed (metrics/serve_check.json `rerank_load`; pipeline/serve/checks/rerank_load.py).
     rerank_texts: int = 20
     rerank_clients: int = 4                    # see rerank_texts
 

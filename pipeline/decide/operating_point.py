@@ -2,7 +2,7 @@
 latency-vs-batch curve, bounded by what the expected load fills and by the latency SLO.
 
 Used by `pipeline/decide/serve_config.py` (the derivation), `pipeline/decide/selection.py` (a variant
-is judged at exactly the point it will be served at) and `pipeline/serve/candidates.py` (the tune
+is judged at exactly the point it will be served at) and `pipeline/serve/tune/candidates.py` (the tune
 stage's alternatives). The curve is in rows (one model call of `batch_size` rows); a request of a
 multi-row task (rerank) is many rows, and every figure that a request sees is computed through
 `pipeline/decide/rows.py`: the SLO is judged on a request's latency (all model calls of its batch +

@@ -13,7 +13,7 @@ paths with forward slashes (`C:/models/store`, which Windows and Java accept as 
 clear error for what cannot be written that way (non-ASCII, backslashes in a POSIX path, edge
 whitespace, line breaks).
 
-All functions take plain dicts so tests (and pipeline/serve/torchserve.py) can call them directly.
+All functions take plain dicts so tests (and pipeline/serve/server/torchserve.py) can call them directly.
 """
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ PHASE_ROWS = (("decode", "decode_us", "parsing and tokenizing each request"),
 
 
 def bound_blocks(inputs: ReportInputs) -> list[Block]:
-    """Served vs the speed the host allows (pipeline/serve/ceiling.py) and where a request's time
+    """Served vs the speed the host allows (pipeline/serve/reference/ceiling.py) and where a request's time
     goes inside the worker (the handler's own timers under the load)."""
     sc = inputs.serve_check or {}
     bound = (sc.get("references") or {}).get("bound") or {}
@@ -169,7 +169,7 @@ def bound_blocks(inputs: ReportInputs) -> list[Block]:
 def rerank_load_blocks(inputs: ReportInputs) -> list[Block]:
     """Task rerank (issue 26): the rerank load's rows/s against the model alone, measured in the same run
     on the same requests (else the benchmark's figure at the calls the server made, and it says so)
-    (metrics/serve_check.json `rerank_load`, pipeline/serve/rerank_load.py)."""
+    (metrics/serve_check.json `rerank_load`, pipeline/serve/checks/rerank_load.py)."""
     rl = (inputs.serve_check or {}).get("rerank_load")
     if not rl:
         return []

@@ -14,7 +14,7 @@ unpacks fast) holds:
 The baseline is the common hand-written setup: the original checkpoint, `baseline_handler.py`
 (eager fp32, no warm-up), no model-config.yaml, TorchServe's default settings except `model_store`
 and `load_models`. Its files are laid out here (`baseline_packing`); the archive stage keeps them as a
-recipe and serve_check packs the .mar only while it serves it (pipeline/serve/reference_archives.py).
+recipe and serve_check packs the .mar only while it serves it (pipeline/serve/reference/reference_archives.py).
 
 Reproducible: the same inputs give the same archive contents; only MANIFEST.json's createdOn differs.
 Each build stages in its own private temp dir (the archiver rmtree's `$TMPDIR/<model-name>`).
@@ -441,7 +441,7 @@ def baseline_files(params: Params, eager_variant: dict, eager_folder: Path) -> t
 def baseline_packing(params: Params, *, variants_dir: Path) -> Packing:
     """What the naive baseline .mar holds (the original checkpoint, baseline.json, the naive handler);
     its config.properties is TorchServe's defaults + model_store + load_models
-    (pipeline/serve/reference_archives.py writes it)."""
+    (pipeline/serve/reference/reference_archives.py writes it)."""
     name = params.model.name
     eager_folder = variants_dir / "eager"
     eager = _read_json(eager_folder / "variant.json", "the eager variant (the baseline's task settings)")

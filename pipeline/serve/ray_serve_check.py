@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline.serve.http_cases import HttpCase
-from pipeline.serve.ray_server import RayServe
+from pipeline.serve.checks.http_cases import HttpCase
+from pipeline.serve.server.ray_server import RayServe
 from pipeline.serve.serve_check import ServerSpec, _failures, _flat, check_server
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,9 @@
 """Prove a .mar inside a real TorchServe: readiness, HTTP parity, bad input, bounded load, baseline.
 
-`check_server` runs every check against one server (started by `pipeline.serve.torchserve.TorchServe`
+`check_server` runs every check against one server (started by `pipeline.serve.server.torchserve.TorchServe`
 in its own working dir, always stopped); `serve_check` runs the winner and then the baseline under
 the same load in the same run and computes the ratios (winner / baseline). The checks themselves:
-pipeline/serve/parity.py, bad_input.py and load.py.
+pipeline/serve/checks/parity.py, bad_input.py and load.py.
 """
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from pipeline.serve import jvm_jit
-from pipeline.serve.bad_input import bad_input_cases, check_bad_inputs, max_request_size
-from pipeline.serve.http_cases import HttpCase
-from pipeline.serve.load import LoadResult, run_load
-from pipeline.serve.parity import check_parity
-from pipeline.serve.startup_check import diagnose_missed_startup
-from pipeline.serve.torchserve import ModelNotReady, TorchServe, TorchServeError
+from pipeline.serve.server import jvm_jit
+from pipeline.serve.checks.bad_input import bad_input_cases, check_bad_inputs, max_request_size
+from pipeline.serve.checks.http_cases import HttpCase
+from pipeline.serve.checks.load import LoadResult, run_load
+from pipeline.serve.checks.parity import check_parity
+from pipeline.serve.server.startup_check import diagnose_missed_startup
+from pipeline.serve.server.torchserve import ModelNotReady, TorchServe, TorchServeError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ ANSWER_WAIT_S = 120.0
 WARMUP_WINDOW_S = 1.0
 WARMUP_SETTLED = 0.05
 WARMUP_SETTLED_WINDOWS = 3
-# Warm also means the frontend's JIT compilers have gone quiet (pipeline/serve/jvm_jit.py): at most this
+# Warm also means the frontend's JIT compilers have gone quiet (pipeline/serve/server/jvm_jit.py): at most this
 # share of a core over the last WARMUP_SETTLED_WINDOWS windows. While they are busier, the warm-up may run on to
 # WARMUP_JIT_EXTENSION x its cap; a server whose compilers are quiet stops at the cap as before.
 WARMUP_JIT_QUIET_CORES = 0.1
@@ -71,7 +71,7 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
     warmup_s: seconds of the same load before the measured one, not counted: a fresh server's first
     thousands of requests run through the JVM's interpreter and the model's first calls.
     server: an unstarted server of another kind to run the same checks in (a RayServe,
-    pipeline/serve/ray_server.py); default a TorchServe of `spec`."""
+    pipeline/serve/server/ray_server.py); default a TorchServe of `spec`."""
     ts = server if server is not None else TorchServe(spec.config, spec.model_store, spec.name, models=spec.models,
                                                       workdir=workdir, env=spec.env)
     out: dict[str, Any] = {"model": spec.name, "server": "torchserve" if server is None else "ray-serve",

@@ -26,9 +26,9 @@ from pipeline.model.checkpoint import LoadedModel, load_model
 from pipeline.model.golden import Golden, write_golden
 from pipeline.decide.store_form import unpack_mar
 from pipeline.serve.archive import build_archive
-from pipeline.serve.ray_serve_config import SERVE_CONFIG, write_ray_serve
-from pipeline.serve.ray_server import RayServe
-from pipeline.serve.torchserve import TorchServe
+from pipeline.serve.server.ray_serve_config import SERVE_CONFIG, write_ray_serve
+from pipeline.serve.server.ray_server import RayServe
+from pipeline.serve.server.torchserve import TorchServe
 
 # A small operating point that still batches: 4 concurrent clients fill batches of up to 4 requests.
 SERVED = {"batch_size": 4, "max_batch_delay_ms": 50, "workers": 1, "threads_per_worker": 1,

@@ -91,7 +91,7 @@ def test_classification_figures_and_verify_compare_use_the_task_gate():
 
 
 def test_http_responses_judged_by_the_gate():
-    from pipeline.serve.parity import response_within
+    from pipeline.serve.checks.parity import response_within
     gate = {**INT8_TOL.__dict__}
     e = {"embedding": [0.6, 0.8, 0.0]}
     close = {"embedding": [0.61, 0.79, 0.01]}
@@ -385,7 +385,7 @@ def test_int8_mar_served_with_parity_within_the_int8_gate(tmp_path, text_params)
     from pipeline.model.checkpoint import load_model
     from pipeline.model.golden import write_golden
     from pipeline.decide.properties import write_config_properties
-    from pipeline.serve.http_cases import load_http_cases, tolerance_from_mar
+    from pipeline.serve.checks.http_cases import load_http_cases, tolerance_from_mar
     from pipeline.serve.serve_check import ServerSpec, check_server
     from pipeline.build.variants import get_converter
     from pipeline.build.builder import build_variant

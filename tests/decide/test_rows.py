@@ -15,7 +15,7 @@ from pipeline.decide.properties import model_config_dict
 from pipeline.decide.rows import (fill_limit_rows, fill_wait_ms, model_calls, request_work_ms, requests_per_batch,
                                   rows_of_cases)
 from pipeline.decide.serve_config import curve_from_benchmark, derive_serve_config
-from pipeline.serve.candidates import candidates_from_curve
+from pipeline.serve.tune.candidates import candidates_from_curve
 from tests.decide.test_serve_config import CPU_ENV, bench
 
 # A cross-encoder on 2 cores: rows/s grows with the rows per call; p99 per call in ms.

@@ -14,7 +14,7 @@ import torch
 
 from handlers.tasks import make_adapter
 from pipeline.model.checkpoint import load_model
-from pipeline.serve.reference_archives import build_reference, write_baseline
+from pipeline.serve.reference.reference_archives import build_reference, write_baseline
 from tests.handlers.test_task_image import png
 from tests.model.test_image_task import tiny_vit
 from tests.serve.test_archive import load_and_predict, unpack

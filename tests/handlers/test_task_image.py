@@ -13,7 +13,7 @@ from PIL import Image
 
 from handlers.task_image import center_crop
 from handlers.tasks import RequestError, make_adapter
-from pipeline.serve.bad_input import png_claiming
+from pipeline.serve.checks.bad_input import png_claiming
 
 RECIPE = {"resize": {"shortest_edge": 20}, "resample": "bicubic", "crop": {"height": 16, "width": 16},
           "rescale_factor": 1 / 255, "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]}

@@ -356,7 +356,7 @@ def handle(data, context):
 def test_torchserve_loads_the_model_from_the_kserve_snapshot(tmp_path):
     """No --models / load_models: the model comes up only because of model_snapshot, with its values."""
     from pipeline.serve.archive import package
-    from pipeline.serve.torchserve import TorchServe
+    from pipeline.serve.server.torchserve import TorchServe
 
     handler = tmp_path / "tiny_handler.py"
     handler.write_text(TINY_HANDLER)

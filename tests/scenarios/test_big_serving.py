@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from pipeline.core.params import ParamsError, ServeOverrides, parse_params
-from pipeline.serve.startup_check import diagnose_missed_startup, startup_evidence
+from pipeline.serve.server.startup_check import diagnose_missed_startup, startup_evidence
 from pipeline.decide.store_form import models_arg, unpack_mar
 from tests.decide.test_serve_config import MONOTONIC, bench, derive
 
@@ -291,7 +291,7 @@ def serve_external_onnx(tmp_path, params, out, golden, forms, archive_format="zi
     import numpy as np
 
     from pipeline.serve.archive import archive_contents, build_archive
-    from pipeline.serve.torchserve import TorchServe
+    from pipeline.serve.server.torchserve import TorchServe
     from tests.serve.test_archive import MODEL_CONFIG
 
     art = tmp_path / "artifacts"

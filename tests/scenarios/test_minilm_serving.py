@@ -55,7 +55,7 @@ def minilm_store(tmp_path_factory):
 
 
 def test_torchserve_serves_minilm_with_reference_embeddings(tmp_path, minilm_store):
-    from pipeline.serve.torchserve import TorchServe
+    from pipeline.serve.server.torchserve import TorchServe
     store, golden = minilm_store
     cases = golden.http_cases[:6]
     with TorchServe(None, store, "minilm", models="minilm=minilm.mar", workdir=tmp_path / "ts") as server:

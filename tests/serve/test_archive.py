@@ -20,7 +20,7 @@ import torch
 
 from pipeline.serve.archive import (TASK_FILES, ArchiveError, archive_contents, archive_digests, build_archive,
                               sha256_file)
-from pipeline.serve.reference_archives import build_reference, write_baseline
+from pipeline.serve.reference.reference_archives import build_reference, write_baseline
 from pipeline.model.checkpoint import load_model
 from pipeline.core.params import checkpoint_path
 
@@ -260,7 +260,7 @@ def test_archive_refuses_missing_or_unverified_inputs(tmp_path, tensor_build):
 
 @pytest.mark.torchserve
 def test_real_torchserve_serves_the_tensor_archive(tmp_path, tensor_build):
-    from pipeline.serve.torchserve import TorchServe
+    from pipeline.serve.server.torchserve import TorchServe
     params, inputs = tensor_build
     store = tmp_path / "store"
     build_archive(params, export_dir=store, **inputs)

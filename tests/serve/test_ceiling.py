@@ -1,4 +1,4 @@
-"""The speed the host allows (pipeline/serve/ceiling.py): the bound from the server's ceiling and the
+"""The speed the host allows (pipeline/serve/reference/ceiling.py): the bound from the server's ceiling and the
 model alone, and the serve_check stage serving a do-nothing model exactly as the winner, in the same
 interleaved rounds, to measure that ceiling."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from pipeline.serve.ceiling import model_alone_rps, served_bound, served_size_answer
+from pipeline.serve.reference.ceiling import model_alone_rps, served_bound, served_size_answer
 from tests.serve.test_torchserve import DERIVED
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")

@@ -1,8 +1,8 @@
-"""pipeline/serve/handtuned.py: the hand-tuned reference built from a real onnx variant of the committed
+"""pipeline/serve/reference/handtuned.py: the hand-tuned reference built from a real onnx variant of the committed
 tensor example (examples/tensor), its four settings over the configure stage's others, its timeouts
 derived for its own batch (a rerank batch of 8 queries is 8 × R rows, not the winner's batch), the
 records saying why it could not be built, and a real TorchServe serving it as configured. The archive
-stage writes its recipe; the .mar is packed from it as serve_check packs it (pipeline/serve/reference_archives.py)."""
+stage writes its recipe; the .mar is packed from it as serve_check packs it (pipeline/serve/reference/reference_archives.py)."""
 from __future__ import annotations
 
 import json
@@ -18,9 +18,9 @@ from pipeline.core.params import ServeParams
 from pipeline.decide.serve_config import derivation_as_dict, derive_serve_config
 from pipeline.model.checkpoint import load_model
 from pipeline.serve.archive import ArchiveError, archive_contents
-from pipeline.serve.handtuned import RECORD, SETTINGS, VARIANT, build_handtuned, read_handtuned
-from pipeline.serve.reference_archives import RECIPE, build_reference
-from pipeline.serve.torchserve_http import read_properties
+from pipeline.serve.reference.handtuned import RECORD, SETTINGS, VARIANT, build_handtuned, read_handtuned
+from pipeline.serve.reference.reference_archives import RECIPE, build_reference
+from pipeline.serve.server.torchserve_http import read_properties
 from tests.build.test_variants import convert, tensor_case
 from tests.decide.test_serve_config import bench
 from tests.serve.test_archive import build_stage_inputs, tensor_request
@@ -213,7 +213,7 @@ def test_missing_derivation_is_an_error_and_an_unbuilt_reference_is_reported(tmp
 @pytest.mark.torchserve
 @pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
 def test_torchserve_serves_the_reference_as_configured(tmp_path, built, tensor_onnx_params):
-    from pipeline.serve.torchserve import TorchServe
+    from pipeline.serve.server.torchserve import TorchServe
     body, x = tensor_request(tensor_onnx_params, seed=5)
     with torch.no_grad():
         want = load_model(tensor_onnx_params).module(torch.from_numpy(x)[None])[0].numpy()

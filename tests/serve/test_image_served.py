@@ -104,9 +104,9 @@ def post_all(ts, requests: list) -> list:
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_served_answers_equal_transformers_pipeline(tmp_path, name):
-    from pipeline.serve.bad_input import bad_input_cases, check_bad_inputs, max_request_size
-    from pipeline.serve.http_cases import load_http_cases
-    from pipeline.serve.parity import check_parity
+    from pipeline.serve.checks.bad_input import bad_input_cases, check_bad_inputs, max_request_size
+    from pipeline.serve.checks.http_cases import load_http_cases
+    from pipeline.serve.checks.parity import check_parity
 
     folder = MODELS[name](tmp_path / name)
     processor = transformers.AutoImageProcessor.from_pretrained(str(folder))      # the PIL one without torchvision

@@ -56,7 +56,7 @@ def server(tmp_path_factory):
     """The four tiny models, each archived by the pipeline's steps, in one TorchServe for the module."""
     from scripts.make_decoder_model import build as build_embedder
     from scripts.make_text_task_model import build as build_text
-    from pipeline.serve.torchserve import TorchServe
+    from pipeline.serve.server.torchserve import TorchServe
     from pipeline.serve.variant_server import serve_variant
     from tests.serve.test_image_served import tiny_vit
 

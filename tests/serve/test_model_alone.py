@@ -1,4 +1,4 @@
-"""pipeline/serve/model_alone.py: the served variant alone on the served requests, this run — the
+"""pipeline/serve/checks/model_alone.py: the served variant alone on the served requests, this run — the
 server batches it forms (fan-out as handlers/serving.py does) and the common timed window of its
 worker processes."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from handlers.tasks import make_adapter
-from pipeline.serve.http_cases import HttpCase
-from pipeline.serve.model_alone import measure, server_batches
+from pipeline.serve.checks.http_cases import HttpCase
+from pipeline.serve.checks.model_alone import measure, server_batches
 from tests.handlers.text_task_models import DOCUMENTS, QUERY, make_models
 
 
@@ -65,8 +65,8 @@ def test_processes_time_one_common_window(tmp_path):
 def test_measure_cases_runs_the_requests_given_in_hand(tmp_path, monkeypatch):
     """A load's own requests (the rerank load's queries) reach `measure` as a cases file it reads back
     unchanged, with the keywords passed through; the file is gone afterwards."""
-    import pipeline.serve.model_alone as alone
-    from pipeline.serve.http_cases import load_http_cases
+    import pipeline.serve.checks.model_alone as alone
+    from pipeline.serve.checks.http_cases import load_http_cases
     seen = {}
 
     def fake_measure(variant_dir, cases_path, **kw):

@@ -26,7 +26,7 @@ def test_summary_and_ratios_from_records():
 
 def test_ray_serve_proven_beside_torchserve(tmp_path, text_params):
     from pipeline.model.golden import HTTP_CASES_JSON
-    from pipeline.serve.http_cases import load_http_cases
+    from pipeline.serve.checks.http_cases import load_http_cases
     from pipeline.serve.ray_serve_check import check_ray_serve
     from pipeline.serve.serve_check import ServerSpec, _flat, check_server
     from pipeline.serve.variant_server import ray_serve_of, serve_variant

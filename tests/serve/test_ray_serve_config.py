@@ -1,4 +1,4 @@
-"""The Ray Serve configuration (pipeline/serve/ray_serve_config.py) from the derived TorchServe settings: each
+"""The Ray Serve configuration (pipeline/serve/server/ray_serve_config.py) from the derived TorchServe settings: each
 knob mapped, the file accepted by Ray Serve's own schema (what `serve run` / `serve deploy` validate), the
 model folder named relative to the repository so the config works in any checkout, and the RayService's
 inline config the same application."""
@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.core.params import REPO_ROOT, parse_params
-from pipeline.serve.ray_serve_config import RAYSERVICE, SERVE_CONFIG, model_dir_arg, ray_settings, write_ray_serve
+from pipeline.serve.server.ray_serve_config import RAYSERVICE, SERVE_CONFIG, model_dir_arg, ray_settings, write_ray_serve
 
 MODEL_CONFIG = {"minWorkers": 2, "maxWorkers": 2, "batchSize": 8, "maxBatchDelay": 12, "responseTimeout": 5,
                 "jobQueueSize": 32, "deviceType": "cpu", "handler": {"threads": 1, "device": "cpu"}}
@@ -61,7 +61,7 @@ def test_ray_app_resolves_the_relative_model_folder_in_the_repository():
 
 def test_replica_logs_are_read_once_through_ray_s_session_layout(tmp_path):
     """Ray links session_latest to the session's folder: the replicas' lines (READY, batches) count once."""
-    from pipeline.serve.ray_server import RayServeLogs
+    from pipeline.serve.server.ray_server import RayServeLogs
     serve_dir = tmp_path / "ray" / "session_2026-12-07_11-00-00_000000_1" / "logs" / "serve"
     serve_dir.mkdir(parents=True)
     (tmp_path / "ray" / "session_latest").symlink_to(serve_dir.parents[1])

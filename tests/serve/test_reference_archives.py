@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-import pipeline.serve.reference_archives as ra
+import pipeline.serve.reference.reference_archives as ra
 from pipeline.decide.store_form import unpack_mar
 from pipeline.serve.archive import build_archive
-from pipeline.serve.handtuned import build_handtuned
-from pipeline.serve.torchserve_http import read_properties
+from pipeline.serve.reference.handtuned import build_handtuned
+from pipeline.serve.server.torchserve_http import read_properties
 from tests.serve.test_archive import build_stage_inputs
 from tests.serve.test_handtuned import write_onnx_benchmark
 from tests.serve.test_torchserve import DERIVED

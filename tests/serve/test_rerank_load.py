@@ -1,4 +1,4 @@
-"""The rerank load (issue 26, pipeline/serve/rerank_load.py): rows/s served against the rows/s the model
+"""The rerank load (issue 26, pipeline/serve/checks/rerank_load.py): rows/s served against the rows/s the model
 gives alone, measured in the same run on the load's own requests (the benchmark's figure at the model
 calls the server made kept beside it, and standing in when the in-run measurement fails), and their
 ratio in metrics/serve_check.json.
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.serve.ceiling import model_alone_rps
-from pipeline.serve.http_cases import HttpCase
-from pipeline.serve.rerank_load import (alone_batch, call_ms, failures_of, model_calls_formed, offline_rows_per_s,
+from pipeline.serve.reference.ceiling import model_alone_rps
+from pipeline.serve.checks.http_cases import HttpCase
+from pipeline.serve.checks.rerank_load import (alone_batch, call_ms, failures_of, model_calls_formed, offline_rows_per_s,
                                         rerank_figure, rows_of, whole_batches)
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
@@ -135,7 +135,7 @@ def test_the_stage_runs_the_model_alone_on_the_loads_requests_as_the_workers_run
     """stages/serve_check.py's wiring, no server: the model-alone runner it hands the rerank load runs
     the served variant on the cases it is given, at the served batch_rows, threads and workers."""
     from types import SimpleNamespace
-    import pipeline.serve.model_alone as model_alone
+    import pipeline.serve.checks.model_alone as model_alone
     import stages.serve_check as stage
     (tmp_path / "model-config.yaml").write_text("batchSize: 2\nhandler:\n  threads: 3\n  batch_rows: 16\n")
     monkeypatch.setattr(stage, "SERVE_DIR", tmp_path)
@@ -261,7 +261,7 @@ def test_serve_check_records_the_rerank_load_in_rows(tmp_path, monkeypatch):
 
 
 def test_rerank_cases_have_exactly_the_texts_asked(tmp_path):
-    from pipeline.serve.rerank_load import rerank_cases
+    from pipeline.serve.checks.rerank_load import rerank_cases
     from scripts.make_text_task_model import minilm_folder
     shutil.copyfile(minilm_folder() / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "golden.json").write_text(json.dumps({"task": {"kind": "rerank", "max_length": 128, "max_texts": 64}}))
@@ -274,8 +274,8 @@ def test_the_tuner_serves_each_candidates_rows_per_call(tmp_path):
     """A candidate's rows per model call reach the handler (model-config.yaml handler.batch_rows) only
     where they differ from its batchSize; the warm-up runs on one row on a CPU, at that many rows on a GPU."""
     import yaml
-    from pipeline.serve.candidates import OperatingCandidate
-    from pipeline.serve.tuner import ServedModel
+    from pipeline.serve.tune.candidates import OperatingCandidate
+    from pipeline.serve.tune.tuner import ServedModel
     (tmp_path / "m").mkdir()
     model = ServedModel(tmp_path, "n", "m", tmp_path / "config.properties",
                         {"batchSize": 1, "handler": {"threads": 2, "warmup_batch_size": 16, "batch_rows": 16}})

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from pipeline.decide.properties import write_config_properties
-from pipeline.serve.bad_input import bad_input_cases, check_bad_inputs
-from pipeline.serve.http_cases import HttpCase, load_http_cases, tolerance_from_mar
-from pipeline.serve.load import ResponseParser, request_bytes, run_load
-from pipeline.serve.parity import check_parity, compare_response
-from pipeline.serve.torchserve import TorchServe
+from pipeline.serve.checks.bad_input import bad_input_cases, check_bad_inputs
+from pipeline.serve.checks.http_cases import HttpCase, load_http_cases, tolerance_from_mar
+from pipeline.serve.checks.load import ResponseParser, request_bytes, run_load
+from pipeline.serve.checks.parity import check_parity, compare_response
+from pipeline.serve.server.torchserve import TorchServe
 from tests.serve.test_torchserve import DERIVED, DOUBLE_HANDLER, assert_nothing_left, build_mar
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
@@ -70,7 +70,7 @@ def test_token_answers_without_aggregation_are_compared_in_text_order_not_as_a_r
 
 
 def test_embedding_parity_records_cosine_and_fails_unit_references_served_off_unit():
-    from pipeline.serve.parity import _with_embedding_figures
+    from pipeline.serve.checks.parity import _with_embedding_figures
     unit = np.array([0.6, 0.8])
     ok = _with_embedding_figures({"ok": True, "failures": []}, [({"embedding": list(unit * (1 + 5e-6))},
                                                                    {"embedding": list(unit)})])
@@ -240,7 +240,7 @@ def test_warmup_runs_windows_until_three_agree_or_the_cap(served):
     else:       # stopped before a window that would have ended past the cap
         assert w["seconds"] + w["longest_window_s"] > 4.0
     # The frontend's JIT compilers are found and read on a real JVM (it has compiled by now).
-    from pipeline.serve.jvm_jit import compiler_cpu_s
+    from pipeline.serve.server.jvm_jit import compiler_cpu_s
     assert all(x is not None and x >= 0 for x in w["jit_compiler_cores"])
     assert compiler_cpu_s(served.java_pid) > 0
     # No window settles at a zero cap: one window, then it stops (a busy compiler extends the cap,
@@ -321,7 +321,7 @@ def test_stage_end_to_end_winner_vs_baseline(tmp_path, monkeypatch):
     assert refs["ratios_baseline"]["ready"] == round(winner["ready_s"] / base["ready_s"], 4)
     assert not refs["handtuned_setup"]["available"]
     # Both servers gone.
-    from pipeline.serve.torchserve import processes_of
+    from pipeline.serve.server.torchserve import processes_of
     for detail in (rec["winner"], rec["baseline_detail"]):
         assert processes_of(__import__("pathlib").Path(detail["server_dir"])) == []
 
@@ -349,7 +349,7 @@ def test_stage_end_to_end_on_real_handlers_and_archive(tmp_path, monkeypatch, te
     pipeline/model/golden.py, config from pipeline/decide/properties.py, checked by the stage."""
     import stages.serve_check as stage
     from pipeline.serve.archive import build_archive
-    from pipeline.serve.reference_archives import write_baseline
+    from pipeline.serve.reference.reference_archives import write_baseline
     from pipeline.model.checkpoint import load_model
     from pipeline.model.golden import write_golden
     from tests.serve.test_archive import build_stage_inputs
@@ -403,7 +403,7 @@ def double_recipe(folder, name: str, model_config: dict, properties: str) -> Non
     """The recipe of the double model's .mar (tests/serve/test_torchserve.py) in `folder`."""
     import yaml
     from pipeline.serve.archive import Packing
-    from pipeline.serve.reference_archives import write_recipe
+    from pipeline.serve.reference.reference_archives import write_recipe
     src = folder.parent / f"src-{folder.name}"
     src.mkdir(parents=True)
     (src / "double_handler.py").write_text(DOUBLE_HANDLER)
@@ -454,7 +454,7 @@ def test_a_reference_is_served_again_only_while_its_comparison_is_undecided():
     """bert-large's run: the naive baseline at 1/22 the throughput and 2.2x the READY, the hand-tuned
     at 1/2.6 and 2.7x: both decided after round 1, so no second round is served (no server is even
     started here); READY within 25% of parity keeps a reference in the next round."""
-    from pipeline.serve.reference_rounds import interleaved_rounds, undecided
+    from pipeline.serve.reference.reference_rounds import interleaved_rounds, undecided
     first = {"winner": _served(3.9, 42.0, 390.0), "handtuned": _served(10.5, 16.8, 1706.0),
              "baseline": _served(8.8, 1.9, 9260.0)}
     setups = interleaved_rounds({name: None for name in first}, [], task="text-embedding", rounds=2, requests=320,
@@ -503,7 +503,7 @@ def test_warmup_starts_no_window_that_would_end_past_its_cap(monkeypatch):
     import types
 
     from pipeline.serve import serve_check as sc
-    from pipeline.serve.load import LoadResult
+    from pipeline.serve.checks.load import LoadResult
     now = [0.0]
     monkeypatch.setattr(sc, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     lengths = iter([6.0, 3.0, 2.5, 5.9, 1.0])
@@ -527,8 +527,9 @@ def test_warmup_waits_for_the_jit_compilers_to_go_quiet(monkeypatch):
     starts once the compilers are quiet over the judged windows, within WARMUP_JIT_EXTENSION x the cap."""
     import types
 
-    from pipeline.serve import jvm_jit, serve_check as sc
-    from pipeline.serve.load import LoadResult
+    from pipeline.serve import serve_check as sc
+    from pipeline.serve.server import jvm_jit
+    from pipeline.serve.checks.load import LoadResult
     now, compiled = [0.0], [0.0]
     monkeypatch.setattr(sc, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(jvm_jit, "compiler_cpu_s", lambda pid: compiled[0])
@@ -565,8 +566,9 @@ def test_warmup_of_a_busy_frontend_waits_for_quieter_compilers(monkeypatch):
     WARMUP_BUSY_JIT_EXTENSION x the cap; where the model dominates, the looser rule stands."""
     import types
 
-    from pipeline.serve import jvm_jit, serve_check as sc
-    from pipeline.serve.load import LoadResult
+    from pipeline.serve import serve_check as sc
+    from pipeline.serve.server import jvm_jit
+    from pipeline.serve.checks.load import LoadResult
     now, compiled, process = [0.0], [0.0], [0.0]
     monkeypatch.setattr(sc, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(jvm_jit, "compiler_cpu_s", lambda pid: compiled[0])
@@ -607,8 +609,9 @@ def test_a_measured_load_beside_a_compiler_burst_is_measured_again(monkeypatch):
     figures kept; a quiet load, or one with errors, stands."""
     import types
 
-    from pipeline.serve import jvm_jit, serve_check as sc
-    from pipeline.serve.load import LoadResult
+    from pipeline.serve import serve_check as sc
+    from pipeline.serve.server import jvm_jit
+    from pipeline.serve.checks.load import LoadResult
     compiled, bursts, rates, errors = [0.0], iter([]), iter([]), [0]
     monkeypatch.setattr(jvm_jit, "compiler_cpu_s", lambda pid: compiled[0])
 
@@ -640,7 +643,7 @@ def test_compiler_cpu_is_none_without_a_jvm_and_zero_without_compiler_threads():
     import subprocess
     import sys
 
-    from pipeline.serve.jvm_jit import compiler_cpu_s
+    from pipeline.serve.server.jvm_jit import compiler_cpu_s
     assert compiler_cpu_s(None) is None
     assert compiler_cpu_s(os.getpid()) == 0.0                 # a Python process: no HotSpot compilers
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -653,7 +656,7 @@ def test_process_cpu_counts_a_busy_process_and_is_none_when_it_is_gone():
     import sys
     import time
 
-    from pipeline.serve.jvm_jit import process_cpu_s
+    from pipeline.serve.server.jvm_jit import process_cpu_s
     assert process_cpu_s(None) is None
     busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
                              "while time.process_time() - t < 0.5: pass\ntime.sleep(30)"])

@@ -1,4 +1,4 @@
-"""pipeline/serve/server_floor.py: the do-nothing model's READY in a real TorchServe 0.12, and the
+"""pipeline/serve/server/server_floor.py: the do-nothing model's READY in a real TorchServe 0.12, and the
 READY / (floor + raw read) ratio issue 13 judges a served model by."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import zipfile
 
 import pytest
 
-from pipeline.serve.server_floor import NOOP_NAME, measure_server_floor, readiness_vs_floor
-from pipeline.serve.torchserve import processes_of
-from pipeline.serve.torchserve_logs import ServerLogs
+from pipeline.serve.server.server_floor import NOOP_NAME, measure_server_floor, readiness_vs_floor
+from pipeline.serve.server.torchserve import processes_of
+from pipeline.serve.server.torchserve_logs import ServerLogs
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
 

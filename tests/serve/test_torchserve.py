@@ -1,4 +1,4 @@
-"""pipeline/serve/torchserve.py against a real TorchServe 0.12, with tiny self-written handlers.
+"""pipeline/serve/server/torchserve.py against a real TorchServe 0.12, with tiny self-written handlers.
 
 One server (module scope) serves the readiness / settings / auth / batching / bad-input checks;
 two short-lived ones prove that a load over startupTimeout and a dying worker are reported at
@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.serve.archive import package
 from pipeline.decide.properties import write_config_properties, write_model_config
-from pipeline.serve.torchserve import Client, ModelNotReady, TorchServe, processes_of, read_properties
+from pipeline.serve.server.torchserve import Client, ModelNotReady, TorchServe, processes_of, read_properties
 
 pytestmark = [pytest.mark.torchserve,
               pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")]

@@ -1,4 +1,4 @@
-"""pipeline/serve/torchserve_http.py: the keep-alive Client and ServerApi against a real TorchServe 0.12
+"""pipeline/serve/server/torchserve_http.py: the keep-alive Client and ServerApi against a real TorchServe 0.12
 (the double model of test_torchserve.py, one server for the module), plus what needs no server:
 a stale keep-alive connection (a plain local HTTP server that drops it), auth detection and
 config.properties reading."""
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.decide.properties import write_config_properties
-from pipeline.serve.torchserve import TorchServe
-from pipeline.serve.torchserve_http import Client, ServerApi, TorchServeError, read_properties
+from pipeline.serve.server.torchserve import TorchServe
+from pipeline.serve.server.torchserve_http import Client, ServerApi, TorchServeError, read_properties
 from tests.serve.test_torchserve import DERIVED, assert_nothing_left, build_mar
 
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")

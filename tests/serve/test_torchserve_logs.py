@@ -1,4 +1,4 @@
-"""pipeline/serve/torchserve_logs.py on log files written the way TorchServe 0.12 writes them.
+"""pipeline/serve/server/torchserve_logs.py on log files written the way TorchServe 0.12 writes them.
 
 The frontend and metric lines below were copied from a real TorchServe 0.12 run (the double model of
 tests/serve/test_torchserve.py, batchSize 4, six concurrent requests); the `[load]` lines are the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.serve.torchserve_logs import ServerLogs, read_from, tail
+from pipeline.serve.server.torchserve_logs import ServerLogs, read_from, tail
 
 # One batch of four and one of two, as the Python backend formed them.
 BATCH_OF_4 = ["9fdc2c1c-05fc-431f-9328-02631a52308c", "c8610e13-3cc8-4780-b5e9-8b72bc0d6792",

@@ -1,4 +1,4 @@
-"""The tuner's side-by-side servers (pipeline/serve/tuner.py, tuning.py) without a real TorchServe:
+"""The tuner's side-by-side servers (pipeline/serve/tune/tuner.py, tuning.py) without a real TorchServe:
 which servers start, which serve again, and that every one is stopped (issue 30: a 2 GB model's
 tune stage spent most of its 132 s starting and stopping 8 servers)."""
 from __future__ import annotations
@@ -7,15 +7,15 @@ import types
 
 import pytest
 
-from pipeline.serve import tuner as tuner_mod
-from pipeline.serve.candidates import OperatingCandidate
-from pipeline.serve.load import LoadResult
-from pipeline.serve.tuner import ServedModel, Tuner
-from pipeline.serve.tuning import TuneSettings, tune
+from pipeline.serve.tune import tuner as tuner_mod
+from pipeline.serve.tune.candidates import OperatingCandidate
+from pipeline.serve.checks.load import LoadResult
+from pipeline.serve.tune.tuner import ServedModel, Tuner
+from pipeline.serve.tune.tuning import TuneSettings, tune
 
 
 class FakeServer:
-    """Stands in for pipeline.serve.torchserve.TorchServe: records its life, serves nothing."""
+    """Stands in for pipeline.serve.server.torchserve.TorchServe: records its life, serves nothing."""
     all: list = []
 
     def __init__(self, config, model_store, model_name, *, models=None, workdir=None, extra_properties=None,

@@ -18,12 +18,12 @@ import yaml
 from pipeline.serve.archive import package
 from pipeline.decide.properties import write_config_properties
 from pipeline.decide.serve_config import CurvePoint
-from pipeline.serve.candidates import OperatingCandidate, candidates_from_curve
-from pipeline.serve.decision import CandidateResult, decide, frontend_worth_tuning, settle, slo_verdict
-from pipeline.serve.http_cases import HttpCase
-from pipeline.serve.torchserve import processes_of
-from pipeline.serve.tuner import ServedModel
-from pipeline.serve.tuning import Contender, TuneSettings, tune, tuned_derivation, variant_contest
+from pipeline.serve.tune.candidates import OperatingCandidate, candidates_from_curve
+from pipeline.serve.tune.decision import CandidateResult, decide, frontend_worth_tuning, settle, slo_verdict
+from pipeline.serve.checks.http_cases import HttpCase
+from pipeline.serve.server.torchserve import processes_of
+from pipeline.serve.tune.tuner import ServedModel
+from pipeline.serve.tune.tuning import Contender, TuneSettings, tune, tuned_derivation, variant_contest
 from tests.serve.test_torchserve import DERIVED
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")
@@ -235,7 +235,7 @@ def _served_yaml(tmp_path, configured, c) -> dict:
 
 def _tuning_record(c) -> dict:
     """A tuning record (as `tune` writes it) whose served choice is `c`."""
-    from pipeline.serve.tuning import chosen_record
+    from pipeline.serve.tune.tuning import chosen_record
     return {**chosen_record(c), "slo_met": False, "served_p99_ms": 3100.0, "served_throughput_rps": 10.0,
             "decision_steps": ["x"], "frontend": None,
             "candidates": [{"name": c.name, "settings": c.settings(), "predicted": None, "throughput_rps": 10.0,
@@ -546,8 +546,8 @@ def test_a_measurement_that_raises_is_made_again_on_a_fresh_registration(cost_mo
     """The model unregistered behind the tuner's back after the first measurement: the next
     candidate's registration fails (nothing to unregister), is made again, and is measured; the
     record keeps the first attempt's error."""
-    from pipeline.serve.torchserve_http import ServerApi, read_properties
-    from pipeline.serve.tuner import Tuner
+    from pipeline.serve.server.torchserve_http import ServerApi, read_properties
+    from pipeline.serve.tune.tuner import Tuner
     workroot = tmp_path / "servers"
     unregistered = []
 

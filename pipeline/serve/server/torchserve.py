@@ -11,8 +11,8 @@ Healthy while a worker is failing and retrying). A load that exceeds startupTime
 worker is reported at once with the worker log's tail, and the server is stopped.
 Token authorization stays on: keys come from the server's own key_file.json.
 
-This module is the process lifecycle. Once started, `ts.api` (pipeline/serve/torchserve_http.py) makes
-the HTTP calls and `ts.log` (pipeline/serve/torchserve_logs.py) reads what the server wrote.
+This module is the process lifecycle. Once started, `ts.api` (pipeline/serve/server/torchserve_http.py) makes
+the HTTP calls and `ts.log` (pipeline/serve/server/torchserve_logs.py) reads what the server wrote.
 """
 from __future__ import annotations
 
@@ -32,13 +32,16 @@ import psutil
 
 from pipeline.decide.properties import format_properties, start_command
 from pipeline.decide.serve_config import TS_DEFAULT_MAX_REQUEST_SIZE
-from pipeline.serve.torchserve_http import HOST, Client, Response, ServerApi, TorchServeError, read_properties  # noqa: F401
-from pipeline.serve.torchserve_logs import ServerLogs, read_from, tail
+from pipeline.serve.server.torchserve_http import HOST, Client, Response, ServerApi, TorchServeError, read_properties  # noqa: F401
+from pipeline.serve.server.torchserve_logs import ServerLogs, read_from, tail
 POLL_S = 0.05
 # Frontend log lines that mean the model will not become READY on this attempt.
 _STARTUP_TIMEOUT_MARK = "did not respond in given time"
 _WORKER_DIED_MARKS = ("Backend worker process died", "Load model failed", "Worker died")
 
+
+# Seconds a stopped server's JVM gets to exit on its own before it is killed (TorchServe.stop).
+STOP_GRACE_S = 0.5
 
 class ModelNotReady(TorchServeError):
     """The model did not become READY. `reason`: startup_timeout | worker_died | server_exited | timeout."""
@@ -191,7 +194,7 @@ class TorchServe:
         if self.models:
             overrides["load_models"] = self.models
         overrides.update({k: str(v) for k, v in self.extra_properties.items()})
-        block = format_properties(overrides, ["--- appended by pipeline.serve.torchserve for an isolated run "
+        block = format_properties(overrides, ["--- appended by pipeline.serve.server.torchserve for an isolated run "
                                               "(a later duplicate key wins) ---"])
         path = self.workdir / "config.properties"
         path.write_text(base + "\n" + block)
@@ -245,17 +248,25 @@ class TorchServe:
         except (subprocess.TimeoutExpired, OSError):
             pass
 
-    def stop(self, check: bool = True, timeout_s: float = 30.0) -> None:
-        """`torchserve --stop` (unless `request_stop` sent it), wait for java to exit, kill stragglers;
-        with check, raise if any process of this server is still alive afterwards."""
+    def stop(self, check: bool = True, grace_s: float = STOP_GRACE_S) -> None:
+        """`torchserve --stop` (unless `request_stop` sent it), `grace_s` for java to exit, then java
+        killed and the rest ended; with check, raise if any process of this server is still alive
+        afterwards. After SIGTERM the frontend closes its listeners at once, then idles ~2.5 s in its
+        event loops' quiet period (Netty's graceful shutdown) with nothing left to serve: a check server
+        (its figures taken, its logs read) need not wait that out before the next one starts."""
         if not self._started:
             return
         if self.java_pid and psutil.pid_exists(self.java_pid):
             self.request_stop()
             try:
-                psutil.Process(self.java_pid).wait(timeout=timeout_s)
+                java = psutil.Process(self.java_pid)
+                java.wait(timeout=grace_s)
             except psutil.TimeoutExpired:
-                pass
+                try:
+                    java.kill()
+                    java.wait(timeout=10)
+                except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+                    pass
             except psutil.NoSuchProcess:
                 pass
         self._started = False

@@ -1,6 +1,6 @@
 """TorchServe's HTTP side: the keep-alive `Client` and `ServerApi`, the management and inference
 calls of one running server (token keys from its own key_file.json; TorchServe 0.12 keeps token
-authorization on by default). Process lifecycle lives in pipeline/serve/torchserve.py."""
+authorization on by default). Process lifecycle lives in pipeline/serve/server/torchserve.py."""
 from __future__ import annotations
 
 import http.client

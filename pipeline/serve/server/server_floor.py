@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from pipeline.serve.torchserve import ModelNotReady, TorchServe, TorchServeError
+from pipeline.serve.server.torchserve import ModelNotReady, TorchServe, TorchServeError
 
 log = logging.getLogger(__name__)
 

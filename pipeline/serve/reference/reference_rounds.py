@@ -20,7 +20,7 @@ import statistics
 from typing import Any, Optional
 
 from pipeline.core.numbers import rounded
-from pipeline.serve.http_cases import HttpCase
+from pipeline.serve.checks.http_cases import HttpCase
 from pipeline.serve.serve_check import ServerSpec, check_server
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ baseline — measured in a stage of their own (dvc.yaml `references`) and reused
 hold: the host (env.json), the model (the checkpoint and the golden requests), the load (clients,
 requests, time cap, warm-up) and their own recipes (the archive stage's). A `serve.*` experiment, a
 re-run or a new winner re-measures none of them; the served SLO and the ratios to the winner are
-computed when serve_check reads them (pipeline/serve/reference_rounds.py's summaries).
+computed when serve_check reads them (pipeline/serve/reference/reference_rounds.py's summaries).
 
 Each is packed from its recipe into a scratch directory while served (reference_archives.py) and
 served in a fresh TorchServe under the load serve_check applies, READY measured every time, in
@@ -17,8 +17,8 @@ import datetime as dt
 import logging
 from typing import Optional
 
-from pipeline.serve.http_cases import HttpCase
-from pipeline.serve.reference_rounds import interleaved_rounds, summarise
+from pipeline.serve.checks.http_cases import HttpCase
+from pipeline.serve.reference.reference_rounds import interleaved_rounds, summarise
 from pipeline.serve.serve_check import ServerSpec, check_server
 
 log = logging.getLogger(__name__)

@@ -53,9 +53,9 @@ def measure(variant_dir: Path, cases_path: Path, *, batch_size: int, batch_rows:
     env_threads = {} if threads is None else {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     import os
     env = {**os.environ, **env_threads}
-    procs = [subprocess.Popen([sys.executable, "-m", "pipeline.serve.model_alone", json.dumps(spec)],
+    procs = [subprocess.Popen([sys.executable, "-m", "pipeline.serve.checks.model_alone", json.dumps(spec)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env, cwd=str(Path(__file__).resolve().parents[2]))
+                              env=env, cwd=str(Path(__file__).resolve().parents[3]))
              for _ in range(max(1, workers))]
     # Each child prints "ready" once loaded and warm (or exits on failure): then one start time for all.
     deadline = time.monotonic() + timeout_s
@@ -97,10 +97,10 @@ def measure(variant_dir: Path, cases_path: Path, *, batch_size: int, batch_rows:
 
 
 def measure_cases(variant_dir: Path, cases: list, **kw) -> dict:
-    """`measure` on requests given in hand (pipeline.serve.http_cases.HttpCase, text bodies) rather than
+    """`measure` on requests given in hand (pipeline.serve.checks.http_cases.HttpCase, text bodies) rather than
     a cases file: a load's own requests (the rerank load's queries). Same keywords as `measure`."""
     import tempfile
-    from pipeline.serve.http_cases import write_http_cases
+    from pipeline.serve.checks.http_cases import write_http_cases
     with tempfile.TemporaryDirectory(prefix="model_alone-") as d:
         return measure(variant_dir, write_http_cases(Path(d) / "cases.json", cases), **kw)
 
@@ -122,7 +122,7 @@ def _child(spec: dict) -> dict:
     from handlers.runtime import load_runtime
     from handlers.tasks import make_adapter
     from pipeline.measure.feeds import read_variant
-    from pipeline.serve.http_cases import load_http_cases
+    from pipeline.serve.checks.http_cases import load_http_cases
 
     variant_dir = Path(spec["variant_dir"])
     adapter = make_adapter(str(variant_dir), read_variant(variant_dir).get("task", {}))

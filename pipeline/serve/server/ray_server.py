@@ -33,9 +33,9 @@ import psutil
 import yaml
 
 from pipeline.core.params import REPO_ROOT
-from pipeline.serve.torchserve import Readiness, free_ports, process_peak_rss_mb
-from pipeline.serve.torchserve_http import Client, Response, TorchServeError
-from pipeline.serve.torchserve_logs import ServerLogs
+from pipeline.serve.server.torchserve import Readiness, free_ports, process_peak_rss_mb
+from pipeline.serve.server.torchserve_http import Client, Response, TorchServeError
+from pipeline.serve.server.torchserve_logs import ServerLogs
 
 _REPLICA = re.compile(r"\[replica\] pid=(\d+) ready")
 _BATCH = re.compile(r"\[batch\] size=\d+ ids=(\S*)")

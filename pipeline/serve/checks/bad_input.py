@@ -11,9 +11,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from pipeline.serve.http_cases import HttpCase
-from pipeline.serve.parity import concurrently, response_within
-from pipeline.serve.torchserve import Client, TorchServe
+from pipeline.serve.checks.http_cases import HttpCase
+from pipeline.serve.checks.parity import concurrently, response_within
+from pipeline.serve.server.torchserve import Client, TorchServe
 
 # The text tasks with a head (handlers/task_*.py): requests their adapters must refuse with a 4xx
 # naming the problem. 10 000 texts pass any sane model.text.max_texts (413 with the cap).

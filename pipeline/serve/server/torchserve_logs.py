@@ -1,5 +1,5 @@
 """What one TorchServe's log files say: the failure tail, WorkerLoadTime, and the batches the Python
-backend really formed (from its PredictionTime metric lines). Lifecycle: pipeline/serve/torchserve.py."""
+backend really formed (from its PredictionTime metric lines). Lifecycle: pipeline/serve/server/torchserve.py."""
 from __future__ import annotations
 
 import re

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.core.numbers import rounded
-from pipeline.serve.server_floor import NOOP_HANDLER
+from pipeline.serve.server.server_floor import NOOP_HANDLER
 from pipeline.serve.serve_check import ServerSpec
 
 CEILING = "ceiling"

@@ -132,7 +132,7 @@ def write_recipe(out_dir: Path, packing: Packing, *, config_properties: str) -> 
               "handler": handler.name, "config_file": config, "serialized_file": packing.serialized_file,
               "config_properties": PROPERTIES, "files": entries,
               "what": "serve_check packs these files into <mar> in a scratch directory while it serves it "
-                      "(pipeline/serve/reference_archives.py)"}
+                      "(pipeline/serve/reference/reference_archives.py)"}
     (out_dir / RECIPE).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
     total = sum(e["bytes"] for e in entries.values())
     named = sum(e["bytes"] for e in entries.values() if "path" in e)

@@ -9,8 +9,8 @@ from typing import Any, Optional
 import numpy as np
 
 from pipeline.accuracy import task_gate
-from pipeline.serve.http_cases import HttpCase
-from pipeline.serve.torchserve import Client, TorchServe
+from pipeline.serve.checks.http_cases import HttpCase
+from pipeline.serve.server.torchserve import Client, TorchServe
 
 
 def compare_response(got: Any, expected: Any, atol: float, rtol: float) -> tuple[bool, float, str]:

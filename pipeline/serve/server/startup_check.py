@@ -1,7 +1,7 @@
 """What a worker that missed its startupTimeout needed: the measured load against the timeout.
 
 TorchServe kills a worker that does not answer LOAD within startupTimeout and retries it with
-backoff for minutes (pipeline/serve/torchserve.py stops at the first kill). The server cannot say how
+backoff for minutes (pipeline/serve/server/torchserve.py stops at the first kill). The server cannot say how
 long the load would have taken (the worker was killed first), but the benchmark measured the cold
 load of this very artifact and the configure stage derived the timeout it needs from it
 (artifacts/serve/derivation.json `startup_timeout_s`). This module turns those records into one

@@ -8,7 +8,7 @@ texts per query from `serve_check.rerank_clients` keep-alive clients against the
 
 - served rows/s = rows answered / wall (rows answered = requests answered 200 × texts per query);
 - offline rows/s = the model alone, measured in this run right after the load (server stopped) on
-  the load's OWN requests (pipeline/serve/model_alone.py): the served variant in `workers` processes
+  the load's OWN requests (pipeline/serve/checks/model_alone.py): the served variant in `workers` processes
   at once, with the served threads, each of these queries decoded by the task's adapter, server
   batches of the size that carried the load's requests (TorchServe's PredictionTime lines) fanned
   out into model calls of `batch_rows` rows as the handler does, one common timed window. Like with
@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from pipeline.core.numbers import rounded
-from pipeline.serve.http_cases import HttpCase
-from pipeline.serve.load import run_load
+from pipeline.serve.checks.http_cases import HttpCase
+from pipeline.serve.checks.load import run_load
 from pipeline.serve.serve_check import ServerSpec
-from pipeline.serve.torchserve import ModelNotReady, TorchServe, TorchServeError
+from pipeline.serve.server.torchserve import ModelNotReady, TorchServe, TorchServeError
 
 log = logging.getLogger(__name__)
 

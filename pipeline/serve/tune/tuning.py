@@ -6,13 +6,13 @@ tokenization and a Java frontend on the same cores. So the configure stage's cho
 *proposal*; this module serves a few candidate operating points taken from the same curve and
 keeps the one that serves best, with the evidence:
 
-1. candidates (pipeline/serve/candidates.py): the offline choice, the larger measured batch sizes
+1. candidates (pipeline/serve/tune/candidates.py): the offline choice, the larger measured batch sizes
    up to what the load fills (each with its own delay), and the other workers × threads layout on
    the same cores;
-2. each is served in a real TorchServe (pipeline/serve/tuner.py) with `expected_concurrency`
-   requests kept in flight (pipeline/serve/load.py, the task's golden HTTP cases), candidates
+2. each is served in a real TorchServe (pipeline/serve/tune/tuner.py) with `expected_concurrency`
+   requests kept in flight (pipeline/serve/checks/load.py, the task's golden HTTP cases), candidates
    interleaved round by round (order rotated) so host drift hits them all alike;
-3. the decision (pipeline/serve/decision.py): highest served throughput whose served p99 <= SLO
+3. the decision (pipeline/serve/tune/decision.py): highest served throughput whose served p99 <= SLO
    (objective latency: lowest served p99); a challenger replaces the offline choice only by more
    than the measured noise (the rounds' spread, at least serve.min_batch_gain);
 4. frontend settings (system-metrics collector, netty thread counts) measured the same way on the
@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from pipeline.serve.candidates import FRONTEND_CANDIDATES, OperatingCandidate, frontend_candidates
-from pipeline.serve.decision import CandidateResult, decide, frontend_worth_tuning, settle, slo_verdict
-from pipeline.serve.http_cases import HttpCase
-from pipeline.serve.load import LOAD_KIND
-from pipeline.serve.tuner import ServedModel, Tuner
+from pipeline.serve.tune.candidates import FRONTEND_CANDIDATES, OperatingCandidate, frontend_candidates
+from pipeline.serve.tune.decision import CandidateResult, decide, frontend_worth_tuning, settle, slo_verdict
+from pipeline.serve.checks.http_cases import HttpCase
+from pipeline.serve.checks.load import LOAD_KIND
+from pipeline.serve.tune.tuner import ServedModel, Tuner
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def variant_contest(contenders: list[Contender], cases: list[HttpCase], s: TuneS
     """Serve the variants selection could not tell apart (within the benchmark's noise), each at its
     own offline operating point, in interleaved rounds (a fresh server per measurement, the order
     rotated). contenders[0] is selection's winner: another variant replaces it only by serving
-    better beyond the rounds' noise (pipeline.serve.decision.decide). Returns the contest record."""
+    better beyond the rounds' noise (pipeline.serve.tune.decision.decide). Returns the contest record."""
     objective = _served_objective(s)
     root = Path(workroot) if workroot else Path(tempfile.mkdtemp(prefix="contest-"))
     t0 = time.monotonic()

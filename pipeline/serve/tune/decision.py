@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from pipeline.core.numbers import rounded
-from pipeline.serve.candidates import OperatingCandidate
+from pipeline.serve.tune.candidates import OperatingCandidate
 
 
 class TuningError(RuntimeError):

@@ -21,9 +21,9 @@ from typing import Optional
 
 import numpy as np
 
-from pipeline.serve.http_cases import HttpCase
-from pipeline.serve.torchserve import TorchServe
-from pipeline.serve.torchserve_http import HOST, Response
+from pipeline.serve.checks.http_cases import HttpCase
+from pipeline.serve.server.torchserve import TorchServe
+from pipeline.serve.server.torchserve_http import HOST, Response
 
 # One request's outcome: (index, HTTP status or None when lost, ms, x-request-id, error text).
 _Record = tuple[int, Optional[int], float, Optional[str], Optional[str]]

@@ -1,6 +1,6 @@
-"""Serving candidates in real TorchServes (pipeline/serve/torchserve.py), always stopped: the
+"""Serving candidates in real TorchServes (pipeline/serve/server/torchserve.py), always stopped: the
 `Tuner` starts servers, warms them up and puts `expected_concurrency` requests in flight for a timed
-window (pipeline/serve/load.py), one measurement per candidate and round."""
+window (pipeline/serve/checks/load.py), one measurement per candidate and round."""
 from __future__ import annotations
 
 import logging
@@ -14,11 +14,11 @@ from typing import Callable, Optional
 import yaml
 
 from pipeline.decide.properties import warmup_rows
-from pipeline.serve.candidates import OperatingCandidate
-from pipeline.serve.decision import CandidateResult
-from pipeline.serve.http_cases import HttpCase
-from pipeline.serve.load import run_load
-from pipeline.serve.torchserve import ModelNotReady, TorchServe, TorchServeError, start_command_env, stop_all
+from pipeline.serve.tune.candidates import OperatingCandidate
+from pipeline.serve.tune.decision import CandidateResult
+from pipeline.serve.checks.http_cases import HttpCase
+from pipeline.serve.checks.load import run_load
+from pipeline.serve.server.torchserve import ModelNotReady, TorchServe, TorchServeError, start_command_env, stop_all
 
 log = logging.getLogger(__name__)
 

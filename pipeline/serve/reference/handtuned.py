@@ -11,7 +11,7 @@ is 8 × R rows, in model calls of 8 rows, not the winner's batch. Everything els
 configure stage's, so only those four settings and the timeouts they imply differ from a pipeline
 build of the onnx variant.
 
-Output: artifacts/handtuned/ holding the recipe of <name>.mar (pipeline/serve/reference_archives.py:
+Output: artifacts/handtuned/ holding the recipe of <name>.mar (pipeline/serve/reference/reference_archives.py:
 recipe.json naming the onnx variant's files, the stored small ones, the handler), config.properties,
 model-config.yaml, and handtuned.json (what it is, its timeouts with formula and inputs, or why it
 could not be built: e.g. the onnx variant is not in `variants`, failed or has no benchmark).
@@ -29,7 +29,7 @@ from pipeline.serve.archive import ArchiveError, archive_packing
 from pipeline.core.params import Params
 from pipeline.decide.properties import write_config_properties, write_model_config
 from pipeline.decide.serve_config import TIMEOUT_KEYS, DerivationError, point_timeouts, rows_of_derivation
-from pipeline.serve.reference_archives import Recipe, write_recipe
+from pipeline.serve.reference.reference_archives import Recipe, write_recipe
 
 log = logging.getLogger(__name__)
 
