@@ -41,6 +41,9 @@ _REPLICA = re.compile(r"\[replica\] pid=(\d+) ready")
 _BATCH = re.compile(r"\[batch\] size=\d+ ids=(\S*)")
 
 SERVE_BIN = Path(sys.executable).with_name("serve")
+# `serve run` shuts Serve and its Ray down on SIGINT in ~5 s; past this the process group is killed (nothing
+# of a check server is needed after its figures are taken).
+SIGINT_WAIT_S = 20.0
 
 
 class RayServeError(TorchServeError):
@@ -243,7 +246,7 @@ class RayServe:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
-                self.proc.wait(60)
+                self.proc.wait(SIGINT_WAIT_S)
             except subprocess.TimeoutExpired:
                 pass
         try:                                  # whatever Ray left in the session: the raylet, workers

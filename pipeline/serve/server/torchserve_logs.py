@@ -55,7 +55,7 @@ class ServerLogs:
         return (f"== {self.logs / 'model_log.log'} ==\n{tail(self.logs / 'model_log.log', n)}\n"
                 f"== {self.logs / 'ts_log.log'} (warnings/errors) ==\n" + "\n".join(warnings[-(n // 2):]))
 
-    def wait_for_python_error(self, timeout_s: float = 3.0) -> bool:
+    def wait_for_python_error(self, timeout_s: float = 10.0) -> bool:
         """Wait until the worker log holds a Python traceback, at most `timeout_s`. The frontend logs
         a worker's death (ts_log.log) before its log appender has written the worker's last stderr
         lines (model_log.log): read at once, the tail could end before the error it exists to show."""
