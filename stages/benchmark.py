@@ -55,10 +55,10 @@ def run(variant: str, params, *, variants_dir: Path = VARIANTS_DIR, metrics_dir:
                 log.info("waited %.1f s for the %s device lock", waited, device)
             t0 = time.monotonic()
             effort = effort_for(variants_dir / variant, variant, settings)
-            if effort.why:
-                log.info("%s: measured %s: %s", variant, effort.level, effort.why)
             record = benchmark_or_record(variants_dir / variant, variant, effort.settings, device, loader, feeds)
             record["effort"] = effort.as_dict()
+            if effort.why and record["status"] == "ok":
+                log.info("%s: measured %s: %s", variant, effort.level, effort.why)
             log.info("%s: %s in %.1f s", variant, record["status"], time.monotonic() - t0)
     except (DeviceError, DeviceBusyError) as e:
         record = outcome_record(variant, "failed", str(e), device, None)
