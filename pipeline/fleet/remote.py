@@ -81,7 +81,7 @@ class TargetRun:
         bin_dir = os.path.dirname(sys.executable)
         env = {k: v for k, v in os.environ.items()
                if k not in ("PIPELINE_STAGE_METRICS", "PIPELINE_PARAMS") and not k.startswith("DVC_")}
-        # PATH: the node's environment (dvc, torchserve); PIPELINE_TARGET: the benchmark's key (stages/probe.py)
+        # PATH: the node's environment (dvc, torchserve); PIPELINE_TARGET: the benchmark's key (stages/inputs.py)
         env.update(PATH=bin_dir + os.pathsep + env.get("PATH", ""), PIPELINE_TARGET=self.name,
                    DVC_NO_ANALYTICS="1", PYTHONUNBUFFERED="1")
         self.env = env
@@ -153,13 +153,13 @@ class TargetRun:
         self.checkout()
         self.sh(py, "-m", "pipeline.fleet.node_checks", "environment", step="environment check", refuse_on=REFUSED_EXIT)
         # the probe alone (DVC's `repro probe` would be a second one): `requires` is checked before any work
-        self.sh(py, "-m", "stages.probe", step="probe")
+        self.sh(py, "-m", "stages.inputs", "probe", step="probe")
         self.stages_run.append("probe")
         self.sh(py, "-m", "pipeline.fleet.node_checks", "requires", json.dumps(self.target.get("requires") or {}),
                 step="hardware check", refuse_on=REFUSED_EXIT)
         # the checkpoint stage alone too: settings and files checked, and artifacts/checkpoint.json (which
         # prepare depends on) written before the single-item repro below, so its run-cache key is this checkpoint's
-        self.sh(py, "-m", "stages.checkpoint", step="checkpoint")
+        self.sh(py, "-m", "stages.inputs", "checkpoint", step="checkpoint")
         self.stages_run.append("checkpoint")
         self.say("fleet: waiting for the conversion lock")
         while not _get(self.coordinator.acquire.remote(self.name)):

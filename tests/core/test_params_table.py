@@ -1,6 +1,6 @@
 """The table of mistakes: every kind a user makes in params.yaml is refused before any work, with the
 key, the value and the fix — the numbers' ranges from the schema itself, the files through the
-first stage (stages/checkpoint.py), all of them in one message."""
+first stage (stages/inputs.py), all of them in one message."""
 from __future__ import annotations
 
 import json
@@ -116,14 +116,14 @@ def test_all_the_mistakes_at_once():
 
 # --------------------------------------------------------------------------- the files (first stage)
 def run_checkpoint_stage(tmp_path, monkeypatch, capsys, model: dict) -> tuple[int, str]:
-    """stages.checkpoint on a params file holding `model` (nothing written: it fails before)."""
+    """The checkpoint stage (stages.inputs) on a params file holding `model` (nothing written: it fails before)."""
     params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
     params["model"] = model
     path = tmp_path / "exp-params.yaml"
     path.write_text(yaml.safe_dump(params))
     monkeypatch.setenv("PIPELINE_PARAMS", str(path))
-    from stages.checkpoint import main
-    rc = main([])
+    from stages.inputs import main
+    rc = main(["checkpoint"])
     return rc, capsys.readouterr().err
 
 
@@ -191,8 +191,8 @@ def test_the_first_stage_names_settings_and_files_together(tmp_path, monkeypatch
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(params))
     monkeypatch.setenv("PIPELINE_PARAMS", str(path))
-    from stages.checkpoint import main
-    assert main([]) == 2
+    from stages.inputs import main
+    assert main(["checkpoint"]) == 2
     err = capsys.readouterr().err
     assert "2 problems" in err and "`serve.overrides.workers` = 0" in err and "ForTokenClassification" in err, err
 

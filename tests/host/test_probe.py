@@ -74,12 +74,12 @@ def test_fingerprint_with_cuda_requested_but_absent_is_a_clear_error():
 
 
 def test_probe_stage_writes_env_json_once(tmp_path, monkeypatch):
-    from stages import probe as stage
+    from stages import inputs as stage
     out = tmp_path / "env.json"
     monkeypatch.setattr(stage, "ENV_JSON", out)
-    assert stage.main() == 0
+    assert stage.main(["probe"]) == 0
     first = out.read_text()
     mtime = out.stat().st_mtime_ns
-    assert stage.main() == 0
+    assert stage.main(["probe"]) == 0
     assert out.read_text() == first and out.stat().st_mtime_ns == mtime   # unchanged: not rewritten
     assert json.loads(first)["device"] in ("cpu", "cuda")

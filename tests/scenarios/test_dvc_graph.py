@@ -121,7 +121,7 @@ def graph_repo(tmp_path_factory):
             deps.update(_entries(body.get("deps"), item))
         body["cmd"] = f"python fake_stage.py {name}" + (" ${item}" if "foreach" in spec else "")
     # The real first stage: it reads the checkpoint's files, which no faked command would
-    dvc_yaml["stages"]["checkpoint"]["cmd"] = f"PYTHONPATH={REPO_ROOT} python {REPO_ROOT}/stages/checkpoint.py --root . && echo checkpoint >> ran.log"
+    dvc_yaml["stages"]["checkpoint"]["cmd"] = f"PYTHONPATH={REPO_ROOT} python {REPO_ROOT}/stages/inputs.py checkpoint --root . && echo checkpoint >> ran.log"
     for dep in sorted(deps):
         if _covered(dep, outs):
             continue
