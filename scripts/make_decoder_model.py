@@ -24,6 +24,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run as a script from the repo root
+from scripts.model_folders import write_sentence_transformers_modules  # noqa: E402
+
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 CORPUS = ("the a one every small large red quiet bright old new fast slow happy tired curious river city guitar "
@@ -92,18 +95,11 @@ def build(out: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, heads:
                           max_positions=max(max_seq_length, 512), head_dim=head_dim)
     model = _spread(transformers.Qwen3Model(config), seed, init_std)
     model.to(getattr(torch, dtype)).save_pretrained(str(out))
-    (out / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}], indent=2))
-    (out / "1_Pooling").mkdir(exist_ok=True)
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({
+    write_sentence_transformers_modules(out, {
         "word_embedding_dimension": hidden, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
         "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
-        "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": True, "include_prompt": True}, indent=2))
-    (out / "2_Normalize").mkdir(exist_ok=True)
-    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
-                                                               "do_lower_case": False}, indent=2))
+        "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": True, "include_prompt": True},
+        max_seq_length)
     (out / "config_sentence_transformers.json").write_text(json.dumps({
         "prompts": {"query": QUERY_PROMPT, "document": ""}, "default_prompt_name": None,
         "similarity_fn_name": "cosine"}, indent=2))

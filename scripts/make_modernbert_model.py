@@ -9,22 +9,19 @@ exercise the local attention; every third layer is global, as ModernBERT's.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run as a script from the repo root
-from scripts.make_text_task_model import TOKENIZER_FILES, minilm_folder  # noqa: E402
+from scripts.make_text_task_model import copy_minilm_tokenizer  # noqa: E402
+from scripts.model_folders import write_sentence_transformers_modules  # noqa: E402
 
 
 def build(out: Path, *, seed: int = 0, layers: int = 3, hidden: int = 64, heads: int = 4, window: int = 16,
           max_seq_length: int = 512) -> Path:
     import torch
     import transformers
-    out.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(minilm_folder() / name, out / name)
+    copy_minilm_tokenizer(out)
     config = transformers.ModernBertConfig(
         vocab_size=30522, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, global_attn_every_n_layers=3, local_attention=window,
@@ -32,16 +29,8 @@ def build(out: Path, *, seed: int = 0, layers: int = 3, hidden: int = 64, heads:
         bos_token_id=101, eos_token_id=102, initializer_range=0.2)
     torch.manual_seed(seed)
     transformers.ModernBertModel(config).eval().save_pretrained(str(out))
-    (out / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}], indent=2))
-    (out / "1_Pooling").mkdir(exist_ok=True)
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": hidden, "pooling_mode_mean_tokens": True, "include_prompt": True}, indent=2))
-    (out / "2_Normalize").mkdir(exist_ok=True)
-    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
-                                                               "do_lower_case": False}, indent=2))
+    write_sentence_transformers_modules(out, {"word_embedding_dimension": hidden, "pooling_mode_mean_tokens": True,
+                                              "include_prompt": True}, max_seq_length)
     return out
 
 

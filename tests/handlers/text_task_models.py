@@ -1,14 +1,14 @@
 """Tiny models for the text tasks (MiniLM's real tokenizer, random weights) and a reference answer
 from transformers' own pipelines; shared by the adapter tests and the served tests. The references
-and the comparison are scripts/served_vs_transformers.py's (the check run on models the tests never
-build)."""
+and the comparison are the served-vs-transformers check's (scripts/served_compare/, the check run on
+models the tests never build)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from scripts.make_text_task_model import build
-from scripts.served_vs_transformers import (eager_rerank, max_score_diff, pipeline_of,  # noqa: F401
-                                             same_answers)
+from scripts.served_compare.judging import max_score_diff, same_answers  # noqa: F401
+from scripts.served_compare.references import eager_rerank, pipeline_of  # noqa: F401
 
 # Words MiniLM's WordPiece splits into several pieces (first/average/max aggregation has work to do),
 # capitals and punctuation (offsets must point into the original text), an accent, a long word.
