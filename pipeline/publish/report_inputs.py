@@ -8,7 +8,6 @@ summary, the plots and the page.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ import yaml
 
 from pipeline.publish.kserve import mar_model_version
 from pipeline.core.stage_record import read_records
+from pipeline.serve.mar import sha256_file
 
 
 @dataclass
@@ -69,14 +69,6 @@ def rel_path(path: Path, root: Path) -> str:
         return str(path.relative_to(root))
     except ValueError:
         return str(path)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def collect_inputs(root: Path, model_name: str, latency_slo_ms: float, variants: list[str]) -> ReportInputs:

@@ -12,7 +12,7 @@ import pytest
 
 from handlers.tasks import make_adapter
 from pipeline.model.checkpoint import load_model
-from pipeline.serve.archive import archive_contents
+from pipeline.serve.mar import archive_contents
 from pipeline.serve.reference.reference_archives import build_reference, write_baseline
 from tests.handlers.text_task_models import (CLASSIFY_TEXTS, DOCUMENTS, NER_TEXTS, QUERY, eager_rerank,
                                              make_models, pipeline_of, same_answers)

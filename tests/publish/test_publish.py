@@ -286,7 +286,7 @@ def test_readiness_probe_waits_for_a_ready_worker_where_ping_does_not(tmp_path):
     import time
     import urllib.request
     from pipeline.publish.kserve_resources import ready_check
-    from pipeline.serve.archive import package
+    from pipeline.serve.mar import package
 
     (tmp_path / "slow.py").write_text(SLOW_HANDLER)
     mar = package("slow", tmp_path / "slow.py", {}, tmp_path / "store")
@@ -355,7 +355,7 @@ def handle(data, context):
 @pytest.mark.torchserve
 def test_torchserve_loads_the_model_from_the_kserve_snapshot(tmp_path):
     """No --models / load_models: the model comes up only because of model_snapshot, with its values."""
-    from pipeline.serve.archive import package
+    from pipeline.serve.mar import package
     from pipeline.serve.server.torchserve import TorchServe
 
     handler = tmp_path / "tiny_handler.py"

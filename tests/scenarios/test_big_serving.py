@@ -290,7 +290,8 @@ def serve_external_onnx(tmp_path, params, out, golden, forms, archive_format="zi
     in a real TorchServe, and check every sample of a golden batch over HTTP against the reference."""
     import numpy as np
 
-    from pipeline.serve.archive import archive_contents, build_archive
+    from pipeline.serve.archive import build_archive
+    from pipeline.serve.mar import archive_contents
     from pipeline.serve.server.torchserve import TorchServe
     from tests.serve.test_archive import MODEL_CONFIG
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.serve.archive import (TASK_FILES, ArchiveError, archive_contents, archive_digests, build_archive,
-                              sha256_file)
+from pipeline.serve.archive import TASK_FILES, ArchiveError, build_archive
+from pipeline.serve.mar import archive_contents, archive_digests, sha256_file
 from pipeline.serve.reference.reference_archives import build_reference, write_baseline
 from pipeline.model.checkpoint import load_model
 from pipeline.core.params import checkpoint_path
@@ -290,7 +290,7 @@ def test_linking_copy_overwrites_like_a_copy_and_keeps_a_link_to_the_same_bytes(
     (same bytes: kept), or holds other bytes (replaced, as shutil.copy would)."""
     import os
 
-    from pipeline.serve.archive import _link_or_copy2
+    from pipeline.serve.mar import _link_or_copy2
     src, out = tmp_path / "tokenizer.json", tmp_path / "store"
     src.write_text("new")
     out.mkdir()

@@ -17,7 +17,8 @@ import yaml
 from pipeline.core.params import ServeParams
 from pipeline.decide.serve_config import derivation_as_dict, derive_serve_config
 from pipeline.model.checkpoint import load_model
-from pipeline.serve.archive import ArchiveError, archive_contents
+from pipeline.serve.archive import ArchiveError
+from pipeline.serve.mar import archive_contents
 from pipeline.serve.reference.handtuned import RECORD, SETTINGS, VARIANT, build_handtuned, read_handtuned
 from pipeline.serve.reference.reference_archives import RECIPE, build_reference
 from pipeline.serve.server.torchserve_http import read_properties

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.serve.archive import package
+from pipeline.serve.mar import package
 from pipeline.decide.properties import write_config_properties, write_model_config
 from pipeline.serve.server.torchserve import Client, ModelNotReady, TorchServe, processes_of, read_properties
 

@@ -15,7 +15,7 @@ import shutil
 import pytest
 import yaml
 
-from pipeline.serve.archive import package
+from pipeline.serve.mar import package
 from pipeline.decide.properties import write_config_properties
 from pipeline.decide.serve_config import CurvePoint
 from pipeline.serve.tune.candidates import OperatingCandidate, candidates_from_curve

@@ -51,7 +51,7 @@ def ceiling_spec(name: str, model_config: Path, config: Optional[Path], env: Opt
                  workdir: Optional[Path] = None, answer: Optional[bytes] = None) -> ServerSpec:
     """A .mar named `name` whose handler does nothing, packed with the served model-config.yaml; with
     `answer`, it answers every request with those bytes, else with an empty object."""
-    from pipeline.serve.archive import package
+    from pipeline.serve.mar import package
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="server-ceiling-"))
     src, store = root / "src", root / "store"
     src.mkdir(parents=True, exist_ok=True)

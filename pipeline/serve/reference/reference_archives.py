@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from pipeline.core.params import REPO_ROOT, Params
-from pipeline.serve.archive import HANDLERS_DIR, ArchiveError, Packing, baseline_packing, package
+from pipeline.serve.archive import HANDLERS_DIR, ArchiveError, Packing, baseline_packing
+from pipeline.serve.mar import package
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ def measure_server_floor(workdir: Optional[Path] = None, *, workers: int = 1, co
     """READY of a do-nothing model in a fresh TorchServe ({ready, ready_s, worker_load_ms, workers,
     primed} or the error): `workers` of them starting at once, under the served `config` and `env`;
     `prime`: one untimed start first."""
-    from pipeline.serve.archive import package
+    from pipeline.serve.mar import package
 
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="server-floor-"))
     store = root / "store"
