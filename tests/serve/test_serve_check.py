@@ -321,7 +321,7 @@ def test_stage_end_to_end_winner_vs_baseline(tmp_path, monkeypatch):
     assert refs["ratios_baseline"]["ready"] == round(winner["ready_s"] / base["ready_s"], 4)
     assert not refs["handtuned_setup"]["available"]
     # Both servers gone.
-    from pipeline.serve.server.torchserve import processes_of
+    from pipeline.serve.server.processes import processes_of
     for detail in (rec["winner"], rec["baseline_detail"]):
         assert processes_of(__import__("pathlib").Path(detail["server_dir"])) == []
 

@@ -10,7 +10,7 @@ import zipfile
 import pytest
 
 from pipeline.serve.server.server_floor import NOOP_NAME, measure_server_floor, readiness_vs_floor
-from pipeline.serve.server.torchserve import processes_of
+from pipeline.serve.server.processes import processes_of
 from pipeline.serve.server.torchserve_logs import ServerLogs
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")

@@ -15,7 +15,8 @@ import pytest
 
 from pipeline.serve.mar import package
 from pipeline.decide.properties import write_config_properties, write_model_config
-from pipeline.serve.server.torchserve import Client, ModelNotReady, TorchServe, processes_of, read_properties
+from pipeline.serve.server.processes import processes_of
+from pipeline.serve.server.torchserve import Client, ModelNotReady, TorchServe, read_properties
 
 pytestmark = [pytest.mark.torchserve,
               pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs Java 17 (make java)")]

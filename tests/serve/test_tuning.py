@@ -21,7 +21,7 @@ from pipeline.decide.serve_config import CurvePoint
 from pipeline.serve.tune.candidates import OperatingCandidate, candidates_from_curve
 from pipeline.serve.tune.decision import CandidateResult, decide, frontend_worth_tuning, settle, slo_verdict
 from pipeline.serve.checks.http_cases import HttpCase
-from pipeline.serve.server.torchserve import processes_of
+from pipeline.serve.server.processes import processes_of
 from pipeline.serve.tune.tuner import ServedModel
 from pipeline.serve.tune.tuning import Contender, TuneSettings, tune, tuned_derivation, variant_contest
 from tests.serve.test_torchserve import DERIVED

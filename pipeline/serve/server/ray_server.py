@@ -33,7 +33,8 @@ import psutil
 import yaml
 
 from pipeline.core.params import REPO_ROOT
-from pipeline.serve.server.torchserve import Readiness, free_ports, process_peak_rss_mb
+from pipeline.serve.server.processes import free_ports, process_peak_rss_mb
+from pipeline.serve.server.torchserve import Readiness
 from pipeline.serve.server.torchserve_http import Client, Response, TorchServeError
 from pipeline.serve.server.torchserve_logs import ServerLogs
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import http.client
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from pipeline.decide.properties import format_properties, start_command
 from pipeline.decide.serve_config import TS_DEFAULT_MAX_REQUEST_SIZE
 from pipeline.serve.server.torchserve_http import HOST, Client, Response, ServerApi, TorchServeError, read_properties  # noqa: F401
 from pipeline.serve.server.torchserve_logs import ServerLogs, read_from, tail
+from pipeline.serve.server.processes import _alive, free_ports, process_peak_rss_mb, processes_of
 POLL_S = 0.05
 # Frontend log lines that mean the model will not become READY on this attempt.
 _STARTUP_TIMEOUT_MARK = "did not respond in given time"
@@ -72,20 +72,6 @@ class Readiness:
     description: dict = field(default_factory=dict)
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all held open together, so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def start_command_env(threads: int) -> dict:
     """The environment the generated start command sets for `threads` threads per worker (its
     thread variables: pipeline/decide/properties.start_command), so a server runs as deployed."""
@@ -100,28 +86,6 @@ def _torchserve_cli() -> str:
     if not found:
         raise TorchServeError("`torchserve` not found next to the Python interpreter or on PATH; "
                               "install the pinned requirements (`make setup`)")
-    return found
-
-
-def processes_of(workdir: Path) -> list[psutil.Process]:
-    """Live java/worker processes belonging to the server rooted at `workdir`: their cwd, TEMP or
-    command line points inside it."""
-    root = str(Path(workdir).resolve())
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline", "cwd"]):
-        if proc.pid == os.getpid():
-            continue
-        try:
-            cwd = proc.info.get("cwd") or ""
-            cmd = " ".join(proc.info.get("cmdline") or [])
-            mine = _inside(cwd, root) or root + os.sep in cmd or cmd.endswith(root)
-            if not mine:
-                env = proc.environ()
-                mine = any(_inside(env.get(k, ""), root) for k in ("TEMP", "TMPDIR"))
-            if mine and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
     return found
 
 
@@ -395,27 +359,3 @@ def stop_all(servers: list["TorchServe"], check: bool = False) -> None:
         ts.request_stop()
     for ts in servers:
         ts.stop(check=check)
-
-
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root + os.sep)
-
-
-def process_peak_rss_mb(pid: int) -> Optional[float]:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024.0, 1)      # kB
-    except OSError:
-        pass
-    try:
-        return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
-    except psutil.Error:
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
