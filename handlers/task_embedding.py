@@ -29,6 +29,7 @@ import random
 import numpy as np
 
 from handlers.encode import json_bytes
+from handlers.task_text import example_ids, read_tokenizer
 from handlers.tasks import (_WORDS, JSON_TYPES, Decoded, RequestError, TaskAdapter, _media_type, _parse_json,
                             _text_of, check_count, check_keys, check_text)
 
@@ -52,11 +53,8 @@ class TextEmbeddingAdapter(TaskAdapter):
 
     def __init__(self, model_dir, task):
         super().__init__(model_dir, task)
-        from tokenizers import Tokenizer   # only the text tasks need it
-        path = self.model_dir / self.task.get("tokenizer", "tokenizer.json")
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: tokenizer.json missing from the model folder")
-        self.tokenizer = Tokenizer.from_file(str(path))
+        from tokenizers import Tokenizer   # a second one truncates, for the requests that ask
+        self.tokenizer = read_tokenizer(self.model_dir, self.task)
         self.max_length = int(self.task.get("max_length", 128))
         self.normalize = bool(self.task.get("normalize", False))
         self.max_texts = int(self.task.get("max_texts", 64))
@@ -249,13 +247,7 @@ class TextEmbeddingAdapter(TaskAdapter):
         # 16 tokens by default: a short sentence, enough to warm up (JIT, allocator) without
         # slowing worker start; benchmarks pass their own length.
         seq_len = int(seq_len or min(self.max_length, 16))
-        rng = np.random.default_rng(1234 + batch_size * 1000 + seq_len)
-        vocab = self.tokenizer.get_vocab_size()
-        low = min(1000, vocab // 2)   # skip special/unused ids at the start of BERT-style vocabularies
-        ids = rng.integers(low, vocab, size=(batch_size, seq_len), dtype=np.int64)
-        cls, sep = self.tokenizer.token_to_id("[CLS]"), self.tokenizer.token_to_id("[SEP]")
-        if cls is not None and sep is not None and seq_len >= 2:
-            ids[:, 0], ids[:, -1] = cls, sep
+        ids = example_ids(self.tokenizer, batch_size, seq_len)
         return {"input_ids": ids, "attention_mask": np.ones((batch_size, seq_len), dtype=np.int64)}
 
     def example_requests(self, n, seed=0):

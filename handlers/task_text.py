@@ -20,16 +20,21 @@ from handlers.tasks import _WORDS, RequestError, TaskAdapter
 PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0}   # input_ids pad with the tokenizer's pad id
 
 
+def read_tokenizer(model_dir, task: dict):
+    """The folder's tokenizer.json (or the file `task["tokenizer"]` names)."""
+    from tokenizers import Tokenizer   # only the text tasks need it
+    path = model_dir / task.get("tokenizer", "tokenizer.json")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: tokenizer.json missing from the model folder")
+    return Tokenizer.from_file(str(path))
+
+
 class TextTaskAdapter(TaskAdapter):
     truncation: Optional[str] = "longest_first"
 
     def __init__(self, model_dir, task):
         super().__init__(model_dir, task)
-        from tokenizers import Tokenizer   # only the text tasks need it
-        path = self.model_dir / self.task.get("tokenizer", "tokenizer.json")
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: tokenizer.json missing from the model folder")
-        self.tokenizer = Tokenizer.from_file(str(path))
+        self.tokenizer = read_tokenizer(self.model_dir, self.task)
         self.max_length = int(self.task.get("max_length", 128))
         self.max_texts = int(self.task.get("max_texts", 64))
         self.input_names = list(self.task.get("inputs") or ("input_ids", "attention_mask"))
@@ -87,13 +92,7 @@ class TextTaskAdapter(TaskAdapter):
 
     def example_feeds(self, batch_size, seq_len=None):
         seq_len = int(seq_len or min(self.max_length, 16))
-        rng = np.random.default_rng(1234 + batch_size * 1000 + seq_len)
-        vocab = self.tokenizer.get_vocab_size()
-        low = min(1000, vocab // 2)   # skip special/unused ids at the start of BERT-style vocabularies
-        ids = rng.integers(low, vocab, size=(batch_size, seq_len), dtype=np.int64)
-        cls, sep = self.tokenizer.token_to_id("[CLS]"), self.tokenizer.token_to_id("[SEP]")
-        if cls is not None and sep is not None and seq_len >= 2:
-            ids[:, 0], ids[:, -1] = cls, sep
+        ids = example_ids(self.tokenizer, batch_size, seq_len)
         feeds = {"input_ids": ids, "attention_mask": np.ones((batch_size, seq_len), dtype=np.int64),
                  "token_type_ids": np.zeros((batch_size, seq_len), dtype=np.int64)}
         return {name: feeds[name] for name in self.input_names}
@@ -101,6 +100,19 @@ class TextTaskAdapter(TaskAdapter):
     @staticmethod
     def sentence(rng: random.Random, low: int = 5, high: int = 15) -> str:
         return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(low, high))).capitalize() + "."
+
+
+def example_ids(tokenizer, batch_size: int, seq_len: int) -> np.ndarray:
+    """Deterministic token ids (batch, seq_len) for warm-ups and benchmarks, framed by [CLS] ... [SEP]
+    where the vocabulary has them."""
+    rng = np.random.default_rng(1234 + batch_size * 1000 + seq_len)
+    vocab = tokenizer.get_vocab_size()
+    low = min(1000, vocab // 2)   # skip special/unused ids at the start of BERT-style vocabularies
+    ids = rng.integers(low, vocab, size=(batch_size, seq_len), dtype=np.int64)
+    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    if cls is not None and sep is not None and seq_len >= 2:
+        ids[:, 0], ids[:, -1] = cls, sep
+    return ids
 
 
 def parameters_of(doc: dict, allowed: tuple, usage: str) -> dict:
