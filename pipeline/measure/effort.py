@@ -9,12 +9,12 @@ which, and why (`effort`).
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from pipeline.accuracy.exactness import OPT_IN, inexact_because
+from pipeline.measure.runner import read_conversion
 
 BRIEF_BUDGET_SHARE = 0.25
 
@@ -32,11 +32,8 @@ class Effort:
 
 
 def _answers(model_dir: Path) -> Optional[dict]:
-    try:
-        doc = json.loads((Path(model_dir) / "conversion.json").read_text())
-    except (OSError, ValueError):
-        return None                 # not converted: benchmark_or_record records it as skipped
-    return (doc.get("verification") or {}).get("answers")
+    doc = read_conversion(model_dir)[0]      # none: benchmark_or_record records the variant as skipped
+    return ((doc or {}).get("verification") or {}).get("answers")
 
 
 def effort_for(model_dir, variant: str, settings) -> Effort:

@@ -329,17 +329,23 @@ def load_rows(record: dict) -> list[dict]:
     return rows
 
 
-def conversion_status(model_dir) -> tuple[str, Optional[str]]:
-    """(status, reason) from the variant's conversion.json; a missing one reads as not converted."""
+def read_conversion(model_dir) -> tuple[Optional[dict], str, Optional[str]]:
+    """(record, status, reason) of the variant's conversion.json; a missing one reads as not converted."""
     import json
     path = Path(model_dir) / "conversion.json"
     if not path.is_file():
-        return "missing", f"{path} not found: the variant was not converted (run `dvc repro convert@{Path(model_dir).name}`)"
+        return None, "missing", (f"{path} not found: the variant was not converted "
+                                 f"(run `dvc repro convert@{Path(model_dir).name}`)")
     try:
         doc = json.loads(path.read_text())
-    except ValueError as e:
-        return "unreadable", f"{path} is not valid JSON ({e})"
-    return str(doc.get("status")), doc.get("reason")
+    except (OSError, ValueError) as e:
+        return None, "unreadable", f"{path} is not valid JSON ({e})"
+    return doc, str(doc.get("status")), doc.get("reason")
+
+
+def conversion_status(model_dir) -> tuple[str, Optional[str]]:
+    """(status, reason) from the variant's conversion.json."""
+    return read_conversion(model_dir)[1:]
 
 
 def benchmark_or_record(model_dir, variant: str, settings: BenchmarkSettings, device: str,
