@@ -19,6 +19,7 @@ from pipeline.serve.checks.http_cases import HttpCase
 from pipeline.serve.checks.load import LoadResult, run_load
 from pipeline.serve.checks.parity import check_parity
 from pipeline.serve.server.startup_check import diagnose_missed_startup
+from pipeline.serve.server.interface import Server
 from pipeline.serve.server.torchserve import ModelNotReady, TorchServe, TorchServeError
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def check_server(spec: ServerSpec, cases: list[HttpCase], *, task: str, atol: fl
     return out
 
 
-def _measured_load(ts: TorchServe, cases: list[HttpCase], requests: int, concurrency: int, time_cap_s: float,
+def _measured_load(ts: Server, cases: list[HttpCase], requests: int, concurrency: int, time_cap_s: float,
                    quiet_cores: float) -> tuple[LoadResult, Optional[float], Optional[dict]]:
     """The measured load, and the JIT compilers' share of a core during it. A load during which they
     took more than `quiet_cores` (the warm-up's own criterion) ran beside a late compiler burst on the
@@ -129,7 +130,7 @@ def _measured_load(ts: TorchServe, cases: list[HttpCase], requests: int, concurr
     return load, jit, discarded
 
 
-def _warmup(ts: TorchServe, cases: list[HttpCase], concurrency: int, seconds: float) -> dict:
+def _warmup(ts: Server, cases: list[HttpCase], concurrency: int, seconds: float) -> dict:
     """The same load in windows of WARMUP_WINDOW_S until the last WARMUP_SETTLED_WINDOWS windows' rates
     are within WARMUP_SETTLED of each other (the server has stopped speeding up) and the JVM's JIT
     compilers used at most WARMUP_JIT_QUIET_CORES over those windows, or `seconds` have passed (up to
@@ -172,7 +173,7 @@ def _warmup(ts: TorchServe, cases: list[HttpCase], concurrency: int, seconds: fl
             "errors_5xx": w.errors_5xx, "lost": w.lost}
 
 
-def _record_ready(ts: TorchServe, spec: ServerSpec, first_case: HttpCase, out: dict) -> None:
+def _record_ready(ts: Server, spec: ServerSpec, first_case: HttpCase, out: dict) -> None:
     """READY, the settings the server reports and the first request into `out`."""
     ready = ts.readiness
     out.update(ready=True, ready_s=ready.ready_s, all_workers_ready_s=ready.all_ready_s,
@@ -185,7 +186,7 @@ def _record_ready(ts: TorchServe, spec: ServerSpec, first_case: HttpCase, out: d
     out["first_request_status"] = first.status
 
 
-def _record_load(ts: TorchServe, spec: ServerSpec, load: LoadResult, out: dict) -> None:
+def _record_load(ts: Server, spec: ServerSpec, load: LoadResult, out: dict) -> None:
     """The load's figures, then the workers' peak memory and the handler's load phases into `out`."""
     out["load"] = asdict(load)
     # Peak over the worker's life so far: its load, the checks and the load above.

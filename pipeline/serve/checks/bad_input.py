@@ -13,7 +13,8 @@ import numpy as np
 
 from pipeline.serve.checks.http_cases import HttpCase
 from pipeline.serve.checks.parity import concurrently, response_within
-from pipeline.serve.server.torchserve import Client, TorchServe
+from pipeline.serve.server.interface import Server
+from pipeline.serve.server.torchserve_http import Client
 
 # The text tasks with a head (handlers/task_*.py): requests their adapters must refuse with a 4xx
 # naming the problem. 10 000 texts pass any sane model.text.max_texts (413 with the cap).
@@ -36,7 +37,7 @@ class BadCase:
     body: bytes
 
 
-def max_request_size(ts: TorchServe) -> int:
+def max_request_size(ts: Server) -> int:
     """The running server's request size limit (a TorchServe's config.properties, else its default; a Ray
     Serve's handler limit)."""
     return ts.max_request_size()
@@ -107,7 +108,7 @@ def _json_tensor_shape(cases: list[HttpCase]) -> Optional[tuple]:
     return None
 
 
-def check_bad_inputs(ts: TorchServe, bad: list[BadCase], good: list[HttpCase],
+def check_bad_inputs(ts: Server, bad: list[BadCase], good: list[HttpCase],
                      atol: float, rtol: float, gate: Optional[dict] = None, task: Optional[str] = None) -> dict:
     """Bad and valid requests sent together (so they share batches): every bad one → 4xx, every
     valid one → 200 with the reference answer, and the same workers still READY afterwards."""
@@ -149,7 +150,7 @@ def check_bad_inputs(ts: TorchServe, bad: list[BadCase], good: list[HttpCase],
             "mixed_batches": mixed_batches, "worker_stayed_up": worker_stayed_up}
 
 
-def _same_workers_ready(ts: TorchServe, workers_before: dict) -> bool:
+def _same_workers_ready(ts: Server, workers_before: dict) -> bool:
     """Every worker READY and the same ones (ids → pids) as before: none crashed and was replaced."""
     desc = ts.api.describe_model()
     workers_after = {w["id"]: w.get("pid") for w in desc.get("workers", [])}

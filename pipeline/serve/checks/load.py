@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from pipeline.serve.checks.http_cases import HttpCase
-from pipeline.serve.server.torchserve import TorchServe
+from pipeline.serve.server.interface import Server
 from pipeline.serve.server.torchserve_http import HOST, Response
 
 # One request's outcome: (index, HTTP status or None when lost, ms, x-request-id, error text).
@@ -139,7 +139,7 @@ class _Conn:
         self.sent = 0
 
 
-def run_load(ts: TorchServe, cases: list[HttpCase], requests: int, concurrency: int,
+def run_load(ts: Server, cases: list[HttpCase], requests: int, concurrency: int,
              time_cap_s: float, request_timeout_s: Optional[float] = None) -> LoadResult:
     """A fixed number of requests from `concurrency` keep-alive clients, cycling through the
     cases; no new request after `time_cap_s`, and no request waits longer than that (or than
@@ -262,7 +262,7 @@ def run_load(ts: TorchServe, cases: list[HttpCase], requests: int, concurrency: 
     return result
 
 
-def _result(ts: TorchServe, records: list[_Record], *, requests: int, concurrency: int, wall: float,
+def _result(ts: Server, records: list[_Record], *, requests: int, concurrency: int, wall: float,
             capped: bool) -> LoadResult:
     """The figures of the load's records, with the batches TorchServe formed for its answered requests."""
     answered = [r for r in records if r[1] is not None]

@@ -10,7 +10,8 @@ import numpy as np
 
 from pipeline.accuracy import task_gate
 from pipeline.serve.checks.http_cases import HttpCase
-from pipeline.serve.server.torchserve import Client, TorchServe
+from pipeline.serve.server.interface import Server
+from pipeline.serve.server.torchserve_http import Client
 
 
 def compare_response(got: Any, expected: Any, atol: float, rtol: float) -> tuple[bool, float, str]:
@@ -101,7 +102,7 @@ def response_within(got: Any, expected: Any, atol: float, rtol: float,
     return compare_response(got, expected, atol, rtol)
 
 
-def check_parity(ts: TorchServe, cases: list[HttpCase], atol: float, rtol: float,
+def check_parity(ts: Server, cases: list[HttpCase], atol: float, rtol: float,
                  concurrency: int, gate: Optional[dict] = None, task: Optional[str] = None) -> dict:
     """Every golden case one by one, then all of them concurrently (so they batch). With a task
     gate (int8) the sequential answers must also meet its figures over all cases (recall@k, top-1
@@ -184,7 +185,7 @@ def _judged_by_task_gate(out: dict, answers: list[tuple[Any, Any]], gate: dict, 
     return out
 
 
-def concurrently(items: list, fn, ts: TorchServe, threads: int) -> list:
+def concurrently(items: list, fn, ts: Server, threads: int) -> list:
     """fn(item, client) for every item, up to `threads` at once, released together."""
     threads = min(threads, len(items))
     barrier = threading.Barrier(threads)

@@ -6,7 +6,8 @@ tests/serve/test_server_interface.py checks that both do.
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from collections import Counter
+from typing import Iterable, Optional, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -26,6 +27,9 @@ class HttpApi(Protocol):
 class ServerLogView(Protocol):
     """What its logs tell: the handler's load phases, the worker load time, the batches it formed."""
 
+    def batches(self) -> list[frozenset]: ...
+    def batch_sizes_for(self, request_ids: Iterable[str], wait_s: float = 5.0) -> Counter: ...
+
     def model_log_text(self) -> Optional[str]: ...
     def worker_load_ms(self) -> Optional[float]: ...
     def handler_load_ms(self) -> Optional[dict]: ...
@@ -40,6 +44,8 @@ class Server(Protocol):
     server without one: the warm-up's JIT criteria then read nothing and pass)."""
     model_name: str
     java_pid: Optional[int]
+    api: HttpApi
+    log: ServerLogView
 
     def start(self): ...
     def stop(self, *args, **kwargs) -> None: ...
