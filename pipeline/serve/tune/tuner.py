@@ -175,30 +175,9 @@ class Tuner:
         try:
             with ts:
                 self.start_s.append(ts.readiness.ready_s)
-                loaded = first
-                for rnd, i in order:
-                    c = candidates[i]
-                    first_error = None
-                    # A measurement that raised (a registration or connection error, not a slow or
-                    # failing candidate: those are measured) is made once more on a fresh
-                    # registration, so one transient error does not decide the contest alone.
-                    for attempt in range(2):
-                        try:
-                            ready_s = ts.readiness.ready_s \
-                                if attempt == 0 and c is loaded and rnd == 0 and i == order[0][1] \
-                                else self._register(ts, c, retry=attempt > 0)
-                            loaded = c
-                            measured = self._load(ts, c, rnd + 1, ready_s, [self.concurrency])
-                            if first_error is not None:
-                                measured = [dict(m, retried_after=first_error) for m in measured]
-                            results[i].rounds.extend(measured)
-                            break
-                        except (TorchServeError, OSError) as e:
-                            log.warning("%s, round %d, attempt %d: %s", c.name, rnd + 1, attempt + 1, e)
-                            if attempt == 1:
-                                results[i].rounds.append(_failed_round(rnd + 1, self.concurrency, e,
-                                                                       first_error=first_error))
-                            first_error = str(e)[:2000]
+                for k, (rnd, i) in enumerate(order):
+                    # the first measurement is of the model the server started with: no registration
+                    results[i].rounds.extend(self._measure_registered(ts, candidates[i], rnd + 1, started=k == 0))
                     self.progress()
         except (ModelNotReady, TorchServeError) as e:
             for r in results:
@@ -207,6 +186,24 @@ class Tuner:
         finally:
             shutil.rmtree(ts.workdir, ignore_errors=True)
         return results
+
+    def _measure_registered(self, ts: TorchServe, c: OperatingCandidate, round_no: int, *, started: bool) -> list[dict]:
+        """One measurement of `c` on the shared server, registered first unless the server `started`
+        with it. A measurement that raised (a registration or connection error, not a slow or failing
+        candidate: those are measured) is made once more on a fresh registration, so one transient
+        error does not decide the contest alone."""
+        try:
+            ready_s = ts.readiness.ready_s if started else self._register(ts, c)
+            return self._load(ts, c, round_no, ready_s, [self.concurrency])
+        except (TorchServeError, OSError) as e:
+            log.warning("%s, round %d, attempt 1: %s", c.name, round_no, e)
+            first_error = str(e)[:2000]
+        try:
+            ready_s = self._register(ts, c, retry=True)
+            return [dict(m, retried_after=first_error) for m in self._load(ts, c, round_no, ready_s, [self.concurrency])]
+        except (TorchServeError, OSError) as e:
+            log.warning("%s, round %d, attempt 2: %s", c.name, round_no, e)
+            return [_failed_round(round_no, self.concurrency, e, first_error=first_error)]
 
     def _run_side_by_side(self, candidates: list[OperatingCandidate], results: list[CandidateResult],
                           order: list[tuple[int, int]]) -> list[CandidateResult]:
