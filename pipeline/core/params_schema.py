@@ -105,7 +105,7 @@ class Int8Params:
     per_channel: bool = True                   # per-output-channel weight scales
     # 7-bit weights, so AVX2's u8s8 kernels (no VNNI) cannot saturate; auto: on such hosts only (env.json)
     reduce_range: bool | Literal["auto"] = "auto"
-    # ONNX int8: move activation outliers into the weights first (pipeline/build/variants/smoothing.py);
+    # ONNX int8: move activation outliers into the weights first (pipeline/build/variants/int8/smoothing.py);
     # auto: the α in (0.5, 0.6, 0.7, 0.8) whose worst op errs least, or none; a number: that α; null: off
     smoothing_alpha: float | Literal["auto"] | None = "auto"
     sensitivity_budget_s: float = 120.0        # time for the per-layer sensitivity fallback (one budget over all build methods)

@@ -135,7 +135,7 @@ def test_host_suitability():
 
 
 def test_reduce_range_auto_follows_the_usable_isa():
-    from pipeline.build.variants.int8 import resolve_reduce_range
+    from pipeline.build.variants.int8.shared import resolve_reduce_range
     x86 = lambda **isa: {"device": "cpu", "cpu": {"arch": "x86_64", "isa": {"avx2": True, **isa}}}  # noqa: E731
     assert resolve_reduce_range("auto", x86(avx512_vnni=False, avx_vnni=False, amx_int8=False))[0] is True
     assert resolve_reduce_range("auto", x86(avx512_vnni=True))[0] is False
@@ -238,7 +238,7 @@ def test_an_outlier_channel_is_rejected_with_its_figure(variant, outlier_models,
 @pytest.mark.parametrize("variant", INT8)
 def test_sensitivity_fallback_keeps_the_outlier_consumer_fp32(variant, ranking, outlier_models, make_params,
                                                               tmp_path, monkeypatch):
-    from pipeline.build.variants import sensitivity
+    from pipeline.build.variants.int8 import sensitivity
     if ranking == "local":      # as on a big model, where one forward per op would not fit in the budget
         monkeypatch.setattr(sensitivity, "RANKING_SHARE", 0.0)
     record, out, _ = _convert(variant, 1000.0, outlier_models, make_params, tmp_path, max_fp32_share=0.7,
@@ -279,10 +279,10 @@ def test_smoothing_moves_the_outlier_into_the_weights_and_keeps_the_function(ext
     import onnxruntime as ort
     from onnx import numpy_helper
 
-    from pipeline.build.variants import smoothing
-    from pipeline.build.variants.onnx_int8 import weight_nodes
-    from pipeline.build.variants.onnx_int8_errors import onnx_local_errors
-    from pipeline.build.variants.sensitivity import Calibration
+    from pipeline.build.variants.int8 import smoothing
+    from pipeline.build.variants.int8.onnx_int8 import weight_nodes
+    from pipeline.build.variants.int8.onnx_int8_errors import onnx_local_errors
+    from pipeline.build.variants.int8.sensitivity import Calibration
     src = _mlp_onnx(outlier_models, 1000.0, tmp_path / "mlp.onnx")
     if external:
         m = onnx.load(str(src))
@@ -453,7 +453,7 @@ def test_the_sensitivity_ranking_spends_the_budget_not_more():
     their graph order, and the search returns within the budget (+ one attempt)."""
     import time
 
-    from pipeline.build.variants.sensitivity import Calibration, search
+    from pipeline.build.variants.int8.sensitivity import Calibration, search
     rng = np.random.default_rng(0)
     x = rng.normal(size=(8, 4)).astype(np.float32)
     cal = Calibration([{"x": x}], [[x]], ["y"], "tensor")
@@ -492,7 +492,7 @@ def test_the_ranking_is_local_where_one_forward_per_op_would_not_fit(budget_s, e
     pass of local errors instead), and less than a quarter of 20 s (the per-op ranking stays)."""
     import time
 
-    from pipeline.build.variants.sensitivity import Calibration, search
+    from pipeline.build.variants.int8.sensitivity import Calibration, search
     x = np.ones((8, 4), np.float32)
     cal = Calibration([{"x": x}], [[x]], ["y"], "tensor")
     ops = [f"op{i}" for i in range(40)]
@@ -524,8 +524,8 @@ def test_per_channel_weight_cache_reproduces_ort_and_is_reused(outlier_models, t
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from pipeline.build.variants.onnx_int8 import weight_nodes
-    from pipeline.build.variants.ort_quantizer import PerChannelWeightCache
+    from pipeline.build.variants.int8.onnx_int8 import weight_nodes
+    from pipeline.build.variants.int8.ort_quantizer import PerChannelWeightCache
     src = _mlp_onnx(outlier_models, 0.0, tmp_path / "fp32.onnx")
     nodes = weight_nodes(src)
     assert len(nodes) == 3
@@ -558,8 +558,8 @@ def test_quantizer_refreshes_shapes_without_a_second_copy(outlier_models, tmp_pa
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from pipeline.build.variants.onnx_int8 import UNTYPED_AS_FLOAT, weight_nodes
-    from pipeline.build.variants.ort_quantizer import one_model_copy
+    from pipeline.build.variants.int8.onnx_int8 import UNTYPED_AS_FLOAT, weight_nodes
+    from pipeline.build.variants.int8.ort_quantizer import one_model_copy
     src = _mlp_onnx(outlier_models, 0.0, tmp_path / "fp32.onnx")
     # Value_info for the weights too, as torch.onnx's dynamo export writes it: shape inference keeps
     # what a graph already records, and ORT's optimiser reads it (dropping it changed bert-large's
@@ -596,8 +596,8 @@ def test_calibration_over_the_graph_alone_gives_ort_s_ranges(method, outlier_mod
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, calibrate, quantize_static
 
-    from pipeline.build.variants.onnx_int8 import _FeedsReader, weight_nodes
-    from pipeline.build.variants.ort_quantizer import calibrate_to_cache
+    from pipeline.build.variants.int8.onnx_int8 import _FeedsReader, weight_nodes
+    from pipeline.build.variants.int8.ort_quantizer import calibrate_to_cache
     src = _mlp_onnx(outlier_models, 1000.0, tmp_path / "fp32.onnx")
     onnx.save(onnx.load(str(src)), str(src), save_as_external_data=True, location="fp32.onnx.data", size_threshold=0)
     rng = np.random.default_rng(0)
@@ -637,7 +637,7 @@ def test_calibration_over_the_graph_alone_gives_ort_s_ranges(method, outlier_mod
 def test_needed_share_from_the_missed_figures():
     """A miss (1 - figure) must shrink to the margined gate's: recall 0.90 against 0.9625 → 62.5% of
     the error removed; figures that pass, or have no 'at least' form (max_abs), ask nothing."""
-    from pipeline.build.variants.sensitivity import needed_share, with_margin
+    from pipeline.build.variants.int8.sensitivity import needed_share, with_margin
     margined = with_margin(Tolerance(atol=0.05, rtol=0.1, min_cosine=0.995, gate="task"))
     figures = {"embedding": {"min_cosine": 0.9977, "mean_cosine": 0.998, "k": 10, "recall_at_k": 0.90}}
     assert needed_share(figures, margined) == pytest.approx(1 - 0.0375 / 0.10)
@@ -650,7 +650,7 @@ def test_the_search_stops_where_the_budget_cannot_reach_the_error():
     after the ranking, says why, and returns the whole-model quantization for the golden gate to judge."""
     import time
 
-    from pipeline.build.variants.sensitivity import Calibration, search
+    from pipeline.build.variants.int8.sensitivity import Calibration, search
     rng = np.random.default_rng(0)
     x = rng.normal(size=(8, 4)).astype(np.float32)
     cal = Calibration([{"x": x}], [[x]], ["y"], "tensor")
@@ -677,8 +677,8 @@ def test_smoothing_errors_for_every_alpha_at_once_equal_each_alpha_alone(static)
     import torch
     from onnx import helper
 
-    from pipeline.build.variants import smoothing
-    from pipeline.build.variants.sensitivity import LocalErrors, fake_quant_activation, fake_quant_weight
+    from pipeline.build.variants.int8 import smoothing
+    from pipeline.build.variants.int8.sensitivity import LocalErrors, fake_quant_activation, fake_quant_weight
 
     def one_alpha(groups, inputs, weights, alpha, reduce_range, per_channel, static):
         errors = LocalErrors()
@@ -724,7 +724,7 @@ def test_torch_int8_attempts_quantize_each_linear_once_and_equal_quantize_dynami
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     from pipeline.build.variants.base import module_copy
-    from pipeline.build.variants.torch_int8 import Attempts
+    from pipeline.build.variants.int8.torch_int8 import Attempts
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
                                 torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 8))).eval()

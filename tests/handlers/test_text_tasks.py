@@ -179,7 +179,7 @@ def test_int8_calibration_rows_fan_rerank_requests_out_one_query_per_group(model
     """int8 calibration takes model rows, not requests: a rerank request of 10-50 texts gave 'this request
     makes 50 rows' and every int8 variant of a reranker failed to build."""
     from pipeline.accuracy.task_gate_text import RERANK_GROUP
-    from pipeline.build.variants.int8 import calibration_rows
+    from pipeline.build.variants.int8.shared import calibration_rows
     adapter = make_adapter(models["rerank"], {"kind": "rerank", "max_length": 128, "max_texts": 64})
     requests = adapter.example_requests(64, seed=7919)
     rows = calibration_rows(adapter, requests, 64)

@@ -74,7 +74,7 @@ def test_variant_converts_verifies_and_benchmarks_on_the_gpu(variant, text_param
 
 def test_int8_is_refused_on_the_gpu_with_its_reason():
     from pipeline.build.variants.base import get_converter
-    from pipeline.build.variants.int8 import GPU_INT8
+    from pipeline.build.variants.int8.shared import GPU_INT8
     for variant in ("int8", "onnx-int8-dynamic", "onnx-int8-static"):
         assert get_converter(variant).host_unsuitable({"device": "cuda"}) == GPU_INT8
 

@@ -1,5 +1,5 @@
 """How much each op of an fp32 ONNX graph errs when it alone is int8: the sensitivity search's two
-rankings (pipeline/build/variants/sensitivity.py) for the ONNX int8 variants.
+rankings (pipeline/build/variants/int8/sensitivity.py) for the ONNX int8 variants.
 
 - `onnx_op_errors`: the model's output error, from ONE session: the graph gets a switch per op
   (x + on·(QDQ(x) − x)) and its weights become overridable inputs, so each op costs one run over the
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.build.variants import smoothing
-from pipeline.build.variants.sensitivity import RANKING_BATCHES, Calibration
+from pipeline.build.variants.int8 import smoothing
+from pipeline.build.variants.int8.sensitivity import RANKING_BATCHES, Calibration
 
 
 @dataclass
@@ -40,7 +40,7 @@ def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, reduce_range: b
     ranking batches — and its weight s8 per channel), from ONE session (the module docstring)."""
     import onnx
     from onnx import numpy_helper
-    from pipeline.build.variants.sensitivity import fake_quant_weight, output_error
+    from pipeline.build.variants.int8.sensitivity import fake_quant_weight, output_error
     # The graph only: external tensors stay in their data file beside `path` (the probe is written
     # beside it, so its references still resolve); the weights ranked are read one at a time.
     model = onnx.load(str(path), load_external_data=False)
@@ -58,7 +58,7 @@ def onnx_op_errors(path: Path, ops: list[str], cal: Calibration, reduce_range: b
     errors: dict[str, float] = {}
     for n in nodes:
         if time.perf_counter() > deadline:
-            break           # the ops not reached keep their graph order (pipeline/build/variants/sensitivity.py)
+            break           # the ops not reached keep their graph order (pipeline/build/variants/int8/sensitivity.py)
         w = torch.from_numpy(numpy_helper.to_array(inits[n.input[1]], base_dir=str(path.parent)).astype(np.float32))
         wq = fake_quant_weight(w, switches[n.name].weight_axis if per_channel else None, reduce_range).numpy()
         on = {**qparams[n.name], n.input[1]: wq, switches[n.name].on: np.ones((), np.float32)}
@@ -156,7 +156,7 @@ def onnx_local_errors(path: Path, ops: list[str], cal: Calibration, reduce_range
     import onnx
     from onnx import helper, numpy_helper
 
-    from pipeline.build.variants.sensitivity import LocalErrors, fake_quant_activation, fake_quant_weight
+    from pipeline.build.variants.int8.sensitivity import LocalErrors, fake_quant_activation, fake_quant_weight
     model = onnx.load(str(path), load_external_data=False)
     g = model.graph
     inits = {i.name: i for i in g.initializer}

@@ -1,12 +1,12 @@
-"""The ONNX int8 variants, `onnx-int8-dynamic` and `onnx-int8-static` (pipeline/build/variants/int8.py
+"""The ONNX int8 variants, `onnx-int8-dynamic` and `onnx-int8-static` (pipeline/build/variants/int8/shared.py
 says what they are and what they share with the torch one).
 
 The `onnx` build (export → fused → ORT-optimised), with its optimisation step replaced by the int8
 steps, each a method of `_OnnxInt8`:
   1. the fp32 graph optimised at ORT's BASIC level (what the quantizer reads),
   2. the calibration set and its reference outputs from that graph,
-  3. smoothing (pipeline/build/variants/smoothing.py), measured, applied or not,
-  4. the sensitivity search (pipeline/build/variants/sensitivity.py) over `Attempts`: each attempt
+  3. smoothing (pipeline/build/variants/int8/smoothing.py), measured, applied or not,
+  4. the sensitivity search (pipeline/build/variants/int8/sensitivity.py) over `Attempts`: each attempt
      quantizes the (smoothed) graph with ORT's quantizer, some ops kept fp32,
   5. the chosen graph optimised at the configured level, so ORT fuses the integer kernels.
 """
@@ -21,13 +21,13 @@ from typing import Optional
 import numpy as np
 
 from pipeline.core.params import Params
-from pipeline.build.variants import smoothing
+from pipeline.build.variants.int8 import smoothing
 from pipeline.build.variants.base import Artifact, BuildContext, register
-from pipeline.build.variants.int8 import Int8Mixin, Int8Options
+from pipeline.build.variants.int8.shared import Int8Mixin, Int8Options
 from pipeline.build.variants.onnx import OnnxConverter, onnx_bytes
-from pipeline.build.variants.onnx_int8_errors import onnx_local_errors, onnx_op_errors
-from pipeline.build.variants.ort_quantizer import PerChannelWeightCache, calibrate_to_cache, one_model_copy
-from pipeline.build.variants.sensitivity import RANKING_BATCHES, Calibration
+from pipeline.build.variants.int8.onnx_int8_errors import onnx_local_errors, onnx_op_errors
+from pipeline.build.variants.int8.ort_quantizer import PerChannelWeightCache, calibrate_to_cache, one_model_copy
+from pipeline.build.variants.int8.sensitivity import RANKING_BATCHES, Calibration
 
 QUANTIZABLE_OPS = ("MatMul", "Gemm", "Conv")
 # The optimised graph holds contrib ops (BiasGelu, FusedMatMul) that ONNX shape inference cannot type.

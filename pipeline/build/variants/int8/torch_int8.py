@@ -1,7 +1,7 @@
 """The torch int8 variant, `int8`: torch.ao.quantization.quantize_dynamic of nn.Linear, traced to
-TorchScript (pipeline/build/variants/int8.py says what it shares with the ONNX ones).
+TorchScript (pipeline/build/variants/int8/shared.py says what it shares with the ONNX ones).
 
-The sensitivity search (pipeline/build/variants/sensitivity.py) runs over `Attempts`: each attempt
+The sensitivity search (pipeline/build/variants/int8/sensitivity.py) runs over `Attempts`: each attempt
 quantizes a copy of the eager module with some Linears kept fp32; the rankings fake-quantize one
 Linear at a time in the eager module itself (no copy).
 """
@@ -18,8 +18,8 @@ import torch
 from pipeline.core.params import Params
 from pipeline.build.variants.base import (Artifact, BuildContext, default_input_dtypes, forget_jit_types,
                                           module_copy, register)
-from pipeline.build.variants.int8 import GPU_INT8, Int8Mixin, Int8Options
-from pipeline.build.variants.sensitivity import RANKING_BATCHES, Calibration
+from pipeline.build.variants.int8.shared import GPU_INT8, Int8Mixin, Int8Options
+from pipeline.build.variants.int8.sensitivity import RANKING_BATCHES, Calibration
 from pipeline.build.variants.torchscript import TorchScriptConverter
 
 
@@ -112,7 +112,7 @@ def torch_op_errors(loaded, ops: list[str], cal: Calibration, per_channel: bool,
                     deadline: float = math.inf) -> dict[str, float]:
     """Each Linear's effect on the outputs when only it is int8 (input u8 per call, weight s8,
     fake-quantized in the eager model): one forward pass per op, no copy of the model."""
-    from pipeline.build.variants.sensitivity import fake_quant_activation, fake_quant_weight, output_error
+    from pipeline.build.variants.int8.sensitivity import fake_quant_activation, fake_quant_weight, output_error
     from pipeline.model.golden import run_reference
     few = cal.feeds[:RANKING_BATCHES]
     mods = dict(loaded.module.named_modules())
@@ -140,7 +140,7 @@ def torch_local_errors(module: torch.nn.Module, ops: list[str], run_batch, feeds
     channel), from ONE forward per batch: a hook recomputes the layer fake-quantized beside its output."""
     import torch.nn.functional as F
 
-    from pipeline.build.variants.sensitivity import LocalErrors, fake_quant_activation, fake_quant_weight
+    from pipeline.build.variants.int8.sensitivity import LocalErrors, fake_quant_activation, fake_quant_weight
     errors = LocalErrors()
     mods = dict(module.named_modules())
 

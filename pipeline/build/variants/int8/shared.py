@@ -1,11 +1,11 @@
 """int8 variants: `onnx-int8-dynamic`, `onnx-int8-static` (QDQ, calibrated) and `int8` (torch).
 
 This module holds what the three share (options, host suitability, the calibration set, the
-sensitivity search's budget); the converters are in pipeline/build/variants/onnx_int8.py (ONNX) and
-pipeline/build/variants/torch_int8.py (torch).
+sensitivity search's budget); the converters are in pipeline/build/variants/int8/onnx_int8.py (ONNX) and
+pipeline/build/variants/int8/torch_int8.py (torch).
 
 All three are judged by `conversion.tolerances.int8` (dtype "int8"; `gate: task` — the task's own
-figures, pipeline/accuracy/task_gate.py) and share the fallback of pipeline/build/variants/sensitivity.py: when the
+figures, pipeline/accuracy/task_gate.py) and share the fallback of pipeline/build/variants/int8/sensitivity.py: when the
 whole-model quantization misses the gate on the calibration set, the most sensitive ops stay fp32.
 
 Calibration set: `conversion.int8.calibration_samples` requests from the task adapter's example
@@ -41,7 +41,7 @@ from typing import Optional
 
 from pipeline.core.params_schema import Int8Params, Params, Tolerance, _default_tolerances
 from pipeline.build.variants.base import BuildContext
-from pipeline.build.variants.sensitivity import Calibration, search
+from pipeline.build.variants.int8.sensitivity import Calibration, search
 from pipeline.accuracy.task_gate_text import RERANK_GROUP
 
 CALIBRATION_SEED_OFFSET = 7919     # calibration requests never repeat the golden set's

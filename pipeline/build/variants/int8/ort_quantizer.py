@@ -1,7 +1,7 @@
 """ONNX Runtime's quantizer, kept to one copy of the model's weights and not repeating itself.
 
 All are patches of ORT 1.31's Python quantizer (onnxruntime.quantization), each active only for
-one quantize_dynamic / calibration call of pipeline/build/variants/onnx_int8.py (`_patched` restores ORT's own):
+one quantize_dynamic / calibration call of pipeline/build/variants/int8/onnx_int8.py (`_patched` restores ORT's own):
 
 - `one_model_copy()`: in dynamic mode the quantizer refreshes its shape information by deep-copying
   the model, saving the copy and loading it again (`save_and_reload_model_with_shape_infer`), while

@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pipeline.build.variants.sensitivity import LocalErrors, fake_quant_activation, fake_quant_weight
+from pipeline.build.variants.int8.sensitivity import LocalErrors, fake_quant_activation, fake_quant_weight
 
 log = logging.getLogger(__name__)
 
