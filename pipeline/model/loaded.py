@@ -1,6 +1,6 @@
 """The loaded model as every later step sees it: a module with named, batch-first inputs and outputs,
-the task settings that go into variant.json, and the files it came from. The task builders
-(text_tasks.py, image_task.py) make one; the loader (checkpoint.py) dispatches to them.
+the task settings that go into variant.json, and the files it came from. The task families
+(families/) make one; the loader (checkpoint.py) dispatches to them.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The image preprocessing recipe (pipeline/model/image_task.py) against transformers' own image
+"""The image preprocessing recipe (pipeline/model/families/image_classification.py) against transformers' own image
 processors: the handler's pixels (handlers/task_image.py, PIL + numpy) equal the processor's within
 1e-5 on images of several sizes and aspect ratios, through the same path a request takes (the
 encoded file, EXIF orientation, RGB); and every processor type or option the recipe cannot express
@@ -16,7 +16,7 @@ from PIL import Image
 
 from handlers.tasks import make_adapter
 from pipeline.model.checkpoint import CheckpointError, load_model
-from pipeline.model.image_task import recipe_from_params, recipe_from_processor
+from pipeline.model.families.image_classification import recipe_from_params, recipe_from_processor
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,5 +1,6 @@
-"""image-classification at prepare time: the logits module, the labels, and the preprocessing recipe
-the handler applies to every request (handlers/task_image.py, PIL + numpy, no transformers).
+"""image-classification: the logits module (an HF image classifier, or a state_dict / TorchScript
+model returning one logits tensor), the labels, and the preprocessing recipe the handler applies to
+every request (handlers/task_image.py, PIL + numpy, no transformers).
 
 The recipe says explicitly what transformers' image processors do: resize (`{"height", "width"}` or
 `{"shortest_edge"}`) with a PIL `resample` filter, centre `crop`, `rescale_factor`, per-channel
@@ -26,10 +27,11 @@ from torch import nn
 
 from handlers.task_classification import default_function
 from handlers.task_image import RESAMPLE, apply_recipe, check_recipe
-from pipeline.core.params import ImageParams, Params, resolve_path
-from pipeline.model.text_tasks import labels_of
+from pipeline.core.params import ImageParams, Params, checkpoint_path, resolve_path
+from pipeline.model.families.base import Family, OutputsAsTuple, describe_outputs, labels_of, register
 from pipeline.model.loaded import InputSpec, LoadedModel
-from pipeline.model.weights import CheckpointError
+from pipeline.model.sources import load_eval
+from pipeline.model.weights import CheckpointError, KeyReport
 
 log = logging.getLogger(__name__)
 
@@ -242,3 +244,32 @@ def image_classification_model(params: Params, module: nn.Module, sources: list[
              recipe["from"])
     return LoadedModel(module=wrapped.eval(), inputs=[InputSpec("pixels", "float32", {0: "batch"})],
                        outputs=["logits"], task=task, extra_files={}, source_files=sources)
+
+
+def probe_size(params: Params) -> tuple[int, int]:
+    """The (height, width) a state_dict / TorchScript image model takes, from params `model.image`."""
+    return check_recipe(recipe_from_params(params.model.image))
+
+
+@register
+class ImageClassification(Family):
+    name = "image-classification"
+    tasks = ("image-classification",)
+
+    def hf_class(self, task: str) -> str:
+        return "AutoModelForImageClassification"
+
+    def load(self, params: Params, path: Path) -> tuple[LoadedModel, Optional[KeyReport]]:
+        """The logits of the model (one output), its labels and its preprocessing."""
+        module, sources, report = load_eval(params, path, self.hf_class(params.model.task))
+        if params.model.source == "hf":
+            wrapped = OutputsAsTuple(module, pick="logits")
+        else:
+            example = torch.zeros(1, 3, *probe_size(params))
+            names, keys = describe_outputs(module, example)
+            if len(names) != 1:
+                raise CheckpointError(f"image-classification needs one logits output; the model returns {len(names)} "
+                                      f"({', '.join(names)}); use task 'tensor' or make the factory return logits only")
+            wrapped = OutputsAsTuple(module, keys=None, pick=keys[0] if keys else None)
+        folder = checkpoint_path(params) if params.model.source == "hf" else None
+        return image_classification_model(params, module, sources, wrapped.eval(), folder), report
