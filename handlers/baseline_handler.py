@@ -8,7 +8,7 @@ model with a head), or the packed factory + `torch.load` of the state_dict, or
 only so serve_check can measure what the optimised archive gains; it is not meant to be fast.
 
 Requests are decoded and answered by the same task adapter as the optimised handler
-(handlers/tasks.py), so responses have the identical format and parity can be compared. A request
+(handlers/tasks/__init__.py), so responses have the identical format and parity can be compared. A request
 may make many model rows (a rerank query with its texts, `{"inputs": [...]}` to embed, classify or
 tag): naive in speed, not in answers — all rows of a batch go into one model call, uncapped, and
 each request is answered whole from its own rows.

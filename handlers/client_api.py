@@ -1,4 +1,4 @@
-"""The clients' own request and answer formats, translated to and from the task adapters' (handlers/tasks.py).
+"""The clients' own request and answer formats, translated to and from the task adapters' (handlers/tasks/__init__.py).
 
 Used by the Ray Serve application (handlers/ray_app.py): each route turns its client's body into the body the
 model's adapter already takes, the serving handler answers it, and the route turns that answer back into the

@@ -1,7 +1,7 @@
 """TorchServe handler for ONNX Runtime variants (fp32, fp16).
 
 Never imports torch itself: the session (graph optimised at build time, threads from
-model-config.yaml) is created by handlers/runtime_onnx.py with onnxruntime + numpy only; request
+model-config.yaml) is created by handlers/runtimes/onnx_family.py with onnxruntime + numpy only; request
 handling is shared (handlers/serving.py). TorchServe needs exactly one class defined here.
 """
 import os

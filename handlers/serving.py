@@ -5,7 +5,7 @@ initialize (once per worker):
   variant.json names them, nothing points outside;
 - the serving knobs come from the packed model-config.yaml `handler:` section
   (`threads`, `device`, `warmup_batch_size`, `max_request_bytes`);
-- the runtime is loaded by `handlers.runtime.load_runtime` (the same code the pipeline verified and
+- the runtime is loaded by `handlers.runtimes.load_runtime` (the same code the pipeline verified and
   benchmarked) while the task adapter is built once (tokenizer, labels) in a second thread, and one
   warm-up call at the configured batch size runs so the first real request is not slow;
 - a load-time breakdown is logged (`[load] ...` line) and kept in `self.load_breakdown_ms`.
@@ -36,8 +36,8 @@ from typing import Any
 
 from handlers.encode import json_bytes
 from handlers.profile import RequestProfile
-from handlers.runtime import RuntimeLoadError, load_runtime
-from handlers.runtime import read_variant as runtime_read_variant
+from handlers.runtimes import RuntimeLoadError, load_runtime
+from handlers.runtimes import read_variant as runtime_read_variant
 from handlers.tasks import JSON_TYPES, RequestError, _media_type, make_adapter
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ class ServingHandler(ABC):
             "total": round((t_warm - t0) * 1000.0, 2),
         })
         self.load_breakdown_ms = phases
-        # Weights pre-packed at build time are used only on a host that packs alike (runtime_onnx).
+        # Weights pre-packed at build time are used only on a host that packs alike (runtimes/onnx_family.py).
         packed = ("" if not self.variant.get("prepacked") else
                   " prepacked=" + ("yes" if getattr(self.runtime, "prepacked", False) else "no"))
         log.info("[load] variant=%s family=%s format=%s dtype=%s device=%s threads=%s%s: %s",
@@ -317,7 +317,7 @@ class ServingHandler(ABC):
         return responses
 
     def decode_one(self, request: Any, context: Any, idx: int):
-        # Empty bodies, the size limit and content checks are the adapter's (handlers/tasks.py).
+        # Empty bodies, the size limit and content checks are the adapter's (handlers/tasks/__init__.py).
         content_type = request_content_type(context, idx)
         return self.adapter.decode_request(undo_json_decoding(request_body(request), content_type), content_type)
 

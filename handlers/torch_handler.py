@@ -2,7 +2,7 @@
 
 TorchServe loads `torch_handler` from the unpacked .mar and needs exactly one class defined here.
 Loading, casting to the variant's dtype and device placement are the runtime's job
-(handlers/runtime_torch.py); request handling is shared (handlers/serving.py).
+(handlers/runtimes/torch_family.py); request handling is shared (handlers/serving.py).
 """
 from handlers.serving import ServingHandler
 

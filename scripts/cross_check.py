@@ -26,10 +26,10 @@ MARKER = "CROSS_CHECK_RESULT "
 
 def independent(model_dir: str, batch_size: int, device: str, threads: int | None, seq_len: int | None,
                 min_run_time: float) -> dict:
-    """In a fresh process: load with handlers.runtime, time with timeit only."""
+    """In a fresh process: load with handlers.runtimes, time with timeit only."""
     import timeit
 
-    from handlers.runtime import load_runtime
+    from handlers.runtimes import load_runtime
     from handlers.tasks import make_adapter
     variant = json.loads((Path(model_dir) / "variant.json").read_text())
     runtime = load_runtime(model_dir, device=device, threads=threads)

@@ -1,7 +1,7 @@
 """Verify a built variant against the golden set, through the same runtime serving uses.
 
 Every golden batch (every batch size present: batch 1, the largest, several distinct batches) runs
-through `handlers.runtime.load_runtime`, and each output is compared with the eager fp32 reference.
+through `handlers.runtimes.load_runtime`, and each output is compared with the eager fp32 reference.
 
 The rule (tolerances per dtype from `conversion.tolerances`); a variant passes when ALL hold:
 1. shapes match and every value is finite where the reference is;
@@ -203,7 +203,7 @@ def answers_check(results: list, task: Optional[str], labels: Optional[list]) ->
 def verify_variant(model_dir: str | Path, golden, tol: Tolerance, min_topk_agreement: float = 0.99,
                    device: str = "cpu", threads: Optional[int] = None) -> Verification:
     """Run every golden batch through the variant's runtime and compare (see the module docstring)."""
-    from handlers.runtime import load_runtime
+    from handlers.runtimes import load_runtime
     t0 = time.perf_counter()
     classification = golden.task.get("kind") == "image-classification"
     runtime = load_runtime(model_dir, device=device, threads=threads)

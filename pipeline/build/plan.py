@@ -96,7 +96,7 @@ class Screen:
 
     def __call__(self, model_dir: Path) -> dict:
         """{'decision': 'build' | 'skip', 'reason', figures...}; never raises for a slow variant."""
-        from handlers.runtime import load_runtime
+        from handlers.runtimes import load_runtime
         if self.eager_call is None and self.eager_before is None:
             return {"decision": "skip" if self.note else "build", "isa_note": self.note, "seconds": 0.0,
                     "reason": f"{self.variant}: {self.note}" if self.note else "not measured on this device"}

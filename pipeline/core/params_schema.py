@@ -31,7 +31,7 @@ class TextParams:
 @dataclass(frozen=True)
 class ImageParams:
     """How a request's image becomes the model's input, with the semantics of transformers' image
-    processors (handlers/task_image.py): resize, centre crop, rescale, normalize per RGB channel.
+    processors (handlers/tasks/image.py): resize, centre crop, rescale, normalize per RGB channel.
     An hf folder's preprocessor_config.json says it instead: the seven preprocessing keys then stay unset."""
     size: Optional[int | list[int]] = None     # resize to exactly size x size, or [height, width] (aspect not kept);
                                                # 224 when neither this, resize_shortest_edge nor crop_size is set

@@ -159,7 +159,7 @@ def run_child(loader_spec: str, feeds_spec: str, model_dir: str, device: str, th
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model-dir", required=True)
-    ap.add_argument("--loader", default="handlers.runtime:load_runtime")
+    ap.add_argument("--loader", default="handlers.runtimes:load_runtime")
     ap.add_argument("--feeds", default="pipeline.measure.feeds:example_feeds")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)

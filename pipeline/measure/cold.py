@@ -20,7 +20,7 @@ from pipeline.measure.stats import ColdLoadSummary, DiskLoad
 from pipeline.measure.steady import RoundSpec
 from pipeline.core.params import REPO_ROOT
 
-DEFAULT_LOADER = "handlers.runtime:load_runtime"
+DEFAULT_LOADER = "handlers.runtimes:load_runtime"
 DEFAULT_FEEDS = "pipeline.measure.feeds:example_feeds"
 
 

@@ -33,7 +33,7 @@ def example_feeds(model_dir, batch_size: int, seq_len: Optional[int] = None):
 def describe_feeds(model_dir, batch_sizes, seq_len: Optional[int] = None) -> Optional[dict]:
     """What a text variant was measured on: tokens per row (padded) at each batch size; None for
     tasks without input_ids. Rerank rows are (query, passage) pairs of the adapter's example
-    requests, padded to the batch's longest as served (handlers/task_rerank.py)."""
+    requests, padded to the batch's longest as served (handlers/tasks/rerank.py)."""
     make = make_feeds_factory(model_dir, seq_len)
     padded = {}
     for b in batch_sizes:

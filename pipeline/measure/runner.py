@@ -6,7 +6,7 @@ Generic over two callables named by spec ('pkg.module:fn' or 'file.py:fn'), reso
 children:
 - loader(model_dir, device=..., threads=...) -> runtime with .run(feeds), optional .load_phases / .close()
 - feeds(model_dir, batch_size, seq_len) -> feeds
-The benchmark stage uses handlers.runtime:load_runtime and the task adapters; tests use tiny models.
+The benchmark stage uses handlers.runtimes:load_runtime and the task adapters; tests use tiny models.
 """
 from __future__ import annotations
 

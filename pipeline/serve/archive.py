@@ -36,15 +36,15 @@ from pipeline.serve.mar import MODEL_CONFIG, ArchiveError, _archiver_version, pa
 log = logging.getLogger(__name__)
 
 HANDLERS_DIR = REPO_ROOT / "handlers"
-# The handler modules an archive needs besides its entry module: shared logic, tasks, runtimes.
-# tasks.py imports the task_*.py modules on first use (handlers.tasks.TASK_MODULES): all are packed.
-# task_text.py is the text tasks' shared base, imported by three of them.
-TASK_FILES = (*(f"{module}.py" for module, _ in TASK_MODULES.values()), "task_text.py")
-SERVING_MODULES = ("__init__.py", "serving.py", "tasks.py", *TASK_FILES, "encode.py", "profile.py", "runtime.py",
-                   "runtime_torch.py", "runtime_onnx.py")
+# The handler modules an archive needs besides its entry module: the serving core, tasks, runtimes.
+# handlers/tasks/ imports each task's module on first use (handlers.tasks.TASK_MODULES): all are packed,
+# with tasks/text.py, the text tasks' shared base. A runtime family is imported by the variant's need.
+TASK_FILES = ("tasks/__init__.py", *(f"tasks/{module}.py" for module, _ in TASK_MODULES.values()), "tasks/text.py")
+RUNTIME_FILES = ("runtimes/__init__.py", "runtimes/torch_family.py", "runtimes/onnx_family.py")
+SERVING_MODULES = ("__init__.py", "serving.py", *TASK_FILES, "encode.py", "profile.py", *RUNTIME_FILES)
 ENTRY_HANDLERS = {"torch": "torch_handler.py", "onnx": "onnx_handler.py"}
 BASELINE_HANDLER = "baseline_handler.py"
-BASELINE_MODULES = ("__init__.py", "tasks.py", *TASK_FILES, "encode.py", "pooling.py")
+BASELINE_MODULES = ("__init__.py", *TASK_FILES, "encode.py", "pooling.py")
 PROVENANCE = "provenance.json"
 BASELINE_SPEC = "baseline.json"
 # The transformers class the baseline builds an hf folder with: the task's head (AutoModel has none
@@ -143,7 +143,7 @@ def _handler_files(modules: tuple[str, ...]) -> dict[str, Path]:
         src = HANDLERS_DIR / m
         if src.is_file():
             files[f"handlers/{m}"] = src
-        elif m != "__init__.py":
+        elif m != "__init__.py":       # handlers/ itself may be a namespace package
             raise ArchiveError(f"{src} is missing: the serving code must be in the repo")
     return files
 

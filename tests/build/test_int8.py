@@ -192,7 +192,7 @@ def _convert(variant, outlier, outlier_models, make_params, tmp_path, conversion
 
 @pytest.mark.parametrize("variant", INT8)
 def test_a_plain_model_passes_its_int8_gate_whole(variant, outlier_models, make_params, tmp_path):
-    from handlers.runtime import load_runtime
+    from handlers.runtimes import load_runtime
     record, out, golden = _convert(variant, 0.0, outlier_models, make_params, tmp_path)
     assert record["status"] == "converted", record["reason"]
     assert record["dtype"] == "int8" and record["tolerance"]["gate"] == "task"
@@ -347,7 +347,7 @@ def test_smoothing_lets_the_outlier_model_pass_with_fewer_fp32_ops(variant, outl
                          ids=["sensitivity-external", "whole-one-file"])
 def test_external_data_model_quantizes_and_loads_from_its_folder(variant, outlier, threshold_mb, int8_external,
                                                                   outlier_models, make_params, tmp_path):
-    from handlers.runtime import load_runtime
+    from handlers.runtimes import load_runtime
     record, out, golden = _convert(variant, outlier, outlier_models, make_params, tmp_path,
                                    conversion={"onnx_external_data_mb": threshold_mb}, max_fp32_share=0.7,
                                    smoothing_alpha=None)

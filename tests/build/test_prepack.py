@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from handlers.runtime_onnx import packing_host, session_options, session_source
+from handlers.runtimes.onnx_family import packing_host, session_options, session_source
 from pipeline.build.variants.prepack import PACKED_KEY, PREPACKED_GRAPH, prepack
 
 DATA = "model.onnx.data"

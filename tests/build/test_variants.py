@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from handlers.runtime import load_runtime
+from handlers.runtimes import load_runtime
 from pipeline.measure.cold import artifact_files
 from pipeline.model.checkpoint import InputSpec, LoadedModel, load_model
 from pipeline.model.golden import ActivationRange, Golden, GoldenBatch, write_golden
@@ -271,7 +271,7 @@ class _TiedMLP(nn.Module):
 
 def test_aoti_compiles_a_dynamic_batch_library_with_its_weights_mapped_apart(make_params, tmp_path):
     # The one AOTInductor test (cold compile ~25 s+): dynamic batch verified at 1, 4 and 3.
-    from handlers.runtime_torch import AotiLibrary
+    from handlers.runtimes.torch_family import AotiLibrary
     from tests.handlers.test_runtime import mapped_files
     params = make_params({"name": "m", "source": "state_dict", "checkpoint": "x.pt", "factory": "x.py:b",
                           "task": "tensor", "input_shape": [8]})

@@ -2,7 +2,7 @@
 (`write_baseline` + `build_reference`, as serve_check packs it) and run by TorchServe's own model loader
 with the repo off sys.path: a transformers folder and a factory + state_dict alike answer in the
 pipeline's format and honour the request's `parameters` (top_k, function_to_apply) as the pipeline's
-handler does (handlers/task_image.py); a bad parameter gets its 400 beside them."""
+handler does (handlers/tasks/image.py); a bad parameter gets its 400 beside them."""
 from __future__ import annotations
 
 import base64

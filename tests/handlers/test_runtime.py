@@ -1,4 +1,4 @@
-"""handlers/runtime*.py: dispatch by family, dtype casting, load phases, ONNX provider choice and
+"""handlers/runtimes/: dispatch by family, dtype casting, load phases, ONNX provider choice and
 the check that a GPU provider is really active, and that the ONNX path never imports torch."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from handlers.runtime import RuntimeLoadError, load_runtime
-from handlers.runtime_onnx import (CPU_EP, CUDA_EP, TENSORRT_EP, check_providers_active,
+from handlers.runtimes import RuntimeLoadError, load_runtime
+from handlers.runtimes.onnx_family import (CPU_EP, CUDA_EP, TENSORRT_EP, check_providers_active,
                                    choose_providers)
 from pipeline.core.params import REPO_ROOT
 
@@ -104,7 +104,7 @@ def test_onnx_runtime_runs_and_reports_load_phases(onnx_folder):
 def test_onnx_runtime_never_imports_torch(onnx_folder):
     folder, _, _ = onnx_folder
     code = ("import sys, numpy as np\n"
-            "from handlers.runtime import load_runtime\n"
+            "from handlers.runtimes import load_runtime\n"
             f"rt = load_runtime({str(folder)!r}, threads=1)\n"
             "rt.run({'x': np.ones((2, 4), np.float32)})\n"
             "assert 'torch' not in sys.modules, 'the ONNX path imported torch'\n"
@@ -156,7 +156,7 @@ def test_eager_program_weights_are_mapped_from_the_archive_not_copied(tmp_path):
     """The eager variant's weights are slices of one mapping of the .pt2 (no copy out of the archive),
     with torch.export.load's outputs; a record that cannot be mapped (an empty buffer) loads as torch does."""
     import torch
-    from handlers.runtime_torch import load_exported_program
+    from handlers.runtimes.torch_family import load_exported_program
 
     class Net(torch.nn.Module):
         def __init__(self, empty: bool):
@@ -215,7 +215,7 @@ def test_torchscript_tensors_are_mapped_from_the_archive_not_copied(tmp_path):
     mapping of the .pt, with torch.jit.load's code and outputs; where both pickles use one storage
     key (a plain trace holding a tensor constant) it loads as torch.jit.load does."""
     import torch
-    from handlers.runtime_torch import load_torchscript
+    from handlers.runtimes.torch_family import load_torchscript
     x = torch.randn(3, 64)
     for dtype in (torch.float32, torch.bfloat16):
         net = _script_net().to(dtype)
@@ -240,7 +240,7 @@ def test_torchscript_tensors_are_mapped_from_the_archive_not_copied(tmp_path):
 
 def test_torchscript_loads_as_torch_does_where_the_mapped_import_fails(tmp_path, monkeypatch, caplog):
     import torch
-    from handlers.runtime_torch import load_torchscript
+    from handlers.runtimes.torch_family import load_torchscript
     x = torch.randn(3, 64)
     path = tmp_path / "frozen.pt"
     torch.jit.freeze(torch.jit.trace(_script_net(), x).eval()).save(str(path))
@@ -258,7 +258,7 @@ def test_torchscript_loads_on_one_thread_and_gives_the_threads_back(tmp_path, mo
     """Compiling the program compares its constants pairwise (aten::equal), each an OpenMP region with
     more threads: the load runs on one, the runtime's threads are back after it."""
     import torch
-    from handlers.runtime_torch import load_torchscript
+    from handlers.runtimes.torch_family import load_torchscript
     x = torch.randn(3, 64)
     path = tmp_path / "frozen.pt"
     torch.jit.freeze(torch.jit.trace(_script_net(), x).eval()).save(str(path))
@@ -282,7 +282,7 @@ def test_torchscript_on_cpu_runs_as_saved_and_warms_up_once(tmp_path, monkeypatc
     (profiled call, optimising call, optimised calls) and one warm-up call. Where the executor
     optimises (a GPU) it keeps it and warms up twice."""
     import torch
-    import handlers.runtime_torch as rt_torch
+    import handlers.runtimes.torch_family as rt_torch
     folder = write_variant(tmp_path / "ts", family="torch", format="torchscript", artifact="model.pt")
     x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
     torch.jit.freeze(torch.jit.trace(_script_net(), torch.from_numpy(x)).eval()).save(str(folder / "model.pt"))

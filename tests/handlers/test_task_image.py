@@ -1,4 +1,4 @@
-"""The image-classification adapter (handlers/task_image.py): the body forms it takes, the answer in
+"""The image-classification adapter (handlers/tasks/image.py): the body forms it takes, the answer in
 transformers' format, and bad images refused with a 4xx that names the problem and the fix.
 (The recipe against transformers' processors: tests/model/test_image_task.py.)"""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from handlers.task_image import center_crop
+from handlers.tasks.image import center_crop
 from handlers.tasks import RequestError, make_adapter
 from pipeline.serve.checks.bad_input import png_claiming
 

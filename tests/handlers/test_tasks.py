@@ -1,4 +1,4 @@
-"""Task adapters (handlers/tasks.py): decoding and its errors, collate, respond, examples."""
+"""Task adapters (handlers/tasks/__init__.py): decoding and its errors, collate, respond, examples."""
 from __future__ import annotations
 
 import io

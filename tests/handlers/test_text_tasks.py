@@ -1,4 +1,4 @@
-"""The text tasks' adapters (handlers/task_classification.py, task_rerank.py, task_tokens.py) and
+"""The text tasks' adapters (handlers/tasks/classification.py, task_rerank.py, task_tokens.py) and
 the fan-out of handlers/serving.py, run on tiny eager models in-process, against transformers'
 own pipelines: labels, order, entity words and offsets exactly, scores within 0.01."""
 from __future__ import annotations

@@ -3,7 +3,7 @@ in several of them, the benchmark stage's outputs, and a failing / unconverted v
 without raising.
 
 Two tiny variants: a TorchScript MLP behind a loader written here (the harness is generic over
-the loader), and an ONNX MatMul loaded by the real handlers.runtime + task adapter.
+the loader), and an ONNX MatMul loaded by the real handlers.runtimes + task adapter.
 """
 import dataclasses
 import json
@@ -93,7 +93,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_onnx(tmp_path_factory):
-    """An ONNX variant loadable by the real handlers.runtime, tensor task (input 'input', 8 floats)."""
+    """An ONNX variant loadable by the real handlers.runtimes, tensor task (input 'input', 8 floats)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
     folder = tmp_path_factory.mktemp("onnx") / "onnx"
@@ -207,7 +207,7 @@ def test_an_unconverted_variant_is_skipped_with_its_reason(tiny):
 
 
 def test_real_runtime_on_a_tiny_onnx_variant(tiny_onnx):
-    """The default loader/feeds: handlers.runtime + handlers.tasks, as the stage runs them."""
+    """The default loader/feeds: handlers.runtimes + handlers.tasks, as the stage runs them."""
     settings = BenchmarkSettings(batch_sizes=(1, 8), cold_runs=1, steady_runs=1, warmup_iters=2, min_iters=10,
                                  min_duration_s=0.05, max_cv=10.0, min_gain=-1.0, latency_cap_ms=10_000)
     r = benchmark_or_record(tiny_onnx, "onnx", settings, "cpu")

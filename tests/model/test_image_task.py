@@ -1,5 +1,5 @@
 """The image preprocessing recipe (pipeline/model/families/image_classification.py) against transformers' own image
-processors: the handler's pixels (handlers/task_image.py, PIL + numpy) equal the processor's within
+processors: the handler's pixels (handlers/tasks/image.py, PIL + numpy) equal the processor's within
 1e-5 on images of several sizes and aspect ratios, through the same path a request takes (the
 encoded file, EXIF orientation, RGB); and every processor type or option the recipe cannot express
 is refused by name."""

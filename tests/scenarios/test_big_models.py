@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from handlers.runtime import load_runtime
-from handlers.runtime_onnx import packing_host
+from handlers.runtimes import load_runtime
+from handlers.runtimes.onnx_family import packing_host
 from pipeline.model.checkpoint import CheckpointError, load_model, probe_args
 from pipeline.build.builder import build_variant
 from pipeline.build.variants.onnx import OnnxConverter

@@ -159,10 +159,10 @@ def test_archive_reproducible_and_provenance(tmp_path, tensor_build):
 
     contents = archive_contents(first.path)
     expected_names = {"variant.json", "model.pt", "torch_handler.py", "model-config.yaml", "provenance.json",
-                      "handlers/__init__.py", "handlers/serving.py", "handlers/tasks.py", "handlers/encode.py",
-                      "handlers/profile.py", "handlers/runtime.py", "handlers/runtime_torch.py",
-                      "handlers/runtime_onnx.py", "MAR-INF/MANIFEST.json"} | \
-        {f"handlers/{f}" for f in TASK_FILES}       # tasks.py loads them on first use
+                      "handlers/__init__.py", "handlers/serving.py", "handlers/tasks/__init__.py", "handlers/encode.py",
+                      "handlers/profile.py", "handlers/runtimes/__init__.py", "handlers/runtimes/torch_family.py",
+                      "handlers/runtimes/onnx_family.py", "MAR-INF/MANIFEST.json"} | \
+        {f"handlers/{f}" for f in TASK_FILES}       # handlers.tasks loads them on first use
     assert set(contents) == expected_names
     prov = json.loads(contents["provenance.json"])
     # sha256 of every other file in the archive, checked against the bytes actually packed.
@@ -200,8 +200,8 @@ def test_archive_loads_in_torchserve_loader_and_matches_baseline(tmp_path, tenso
     props = base.config.read_text()
     assert "load_models=signalnet=signalnet.mar" in props and f"model_store={(tmp_path / 'scratch').as_posix()}" in props
     names = set(archive_contents(base.mar))
-    assert {"baseline_handler.py", "baseline.json", "weights.safetensors", "model.py", "handlers/tasks.py",
-            "handlers/encode.py", "handlers/task_tensor.py"} <= names
+    assert {"baseline_handler.py", "baseline.json", "weights.safetensors", "model.py", "handlers/tasks/__init__.py",
+            "handlers/encode.py", "handlers/tasks/tensor.py"} <= names
     assert "model-config.yaml" not in names
     got_base = load_and_predict(unpack(base.mar, tmp_path / "base"), requests)
     assert got_base["status"] == [200, 400, 400]

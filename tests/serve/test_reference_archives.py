@@ -137,7 +137,7 @@ def test_the_references_stage_packs_them_in_scratch_and_leaves_no_reference_byte
     assert stage.main([]) == 0
     base, hand = stand_ins.specs["baseline"], stand_ins.specs["handtuned"]
     # Each was a complete archive in its own store under the scratch directory while it was served ...
-    assert {"baseline_handler.py", "baseline.json", "weights.safetensors", "model.py", "handlers/tasks.py"} <= base["names"]
+    assert {"baseline_handler.py", "baseline.json", "weights.safetensors", "model.py", "handlers/tasks/__init__.py"} <= base["names"]
     assert {"torch_handler.py", "model.pt", "model-config.yaml", "provenance.json", "MAR-INF/MANIFEST.json"} <= hand["names"]
     assert scratch in base["store"].parents and scratch in hand["store"].parents
     # ... and nothing of them is left: not the scratch dir, not a byte more in artifacts/.

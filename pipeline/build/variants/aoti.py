@@ -29,7 +29,7 @@ from pipeline.build.variants.base import (Artifact, BuildContext, Converter, def
 
 LIBRARY = "aoti.so"
 WEIGHTS = LIBRARY + ".weights"      # named after the library: measured as part of it (pipeline/measure/cold.py)
-WEIGHTS_INDEX = WEIGHTS + ".json"      # the runtime finds the index by this name (handlers/runtime_torch.py)
+WEIGHTS_INDEX = WEIGHTS + ".json"      # the runtime finds the index by this name (handlers/runtimes/torch_family.py)
 ALIGN = 64
 # Package members that are only sources or descriptions of the build, not needed to run it.
 _NOT_NEEDED = (".cpp", ".h", ".json", "serialization_id", "byteorder", "version", "archive_format", ".txt")

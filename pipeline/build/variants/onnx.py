@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from handlers.runtime_onnx import check_providers_active, choose_providers
+from handlers.runtimes.onnx_family import check_providers_active, choose_providers
 from pipeline.core.params import Params
 from pipeline.build.plan import emulated_dtype_note
 from pipeline.build.variants.base import Artifact, BuildContext, Converter, forget_last_export, register

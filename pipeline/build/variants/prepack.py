@@ -12,7 +12,7 @@ The variant then holds:
 - `model.prepacked.onnx`: the graph ORT saved, pointing at the packed layouts;
 - `model.onnx`: the same graph without those pointers — portable, ORT packs at load as usual.
 variant.json "prepacked": {"artifact", "host", "weights", "packed_bytes"}; `host` is
-handlers.runtime_onnx.packing_host() of the build host, and the runtime takes the prepacked graph
+handlers.runtimes.onnx_family.packing_host() of the build host, and the runtime takes the prepacked graph
 only where its own packing_host() is equal (the layout belongs to ORT's version and the CPU
 features MLAS dispatches on: an AVX2 host must not read an AVX-512 layout).
 Verification and benchmarks therefore run the prepacked graph on the build host.
@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from handlers.runtime_onnx import packing_host
+from handlers.runtimes.onnx_family import packing_host
 
 log = logging.getLogger(__name__)
 

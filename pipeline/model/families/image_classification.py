@@ -1,6 +1,6 @@
 """image-classification: the logits module (an HF image classifier, or a state_dict / TorchScript
 model returning one logits tensor), the labels, and the preprocessing recipe the handler applies to
-every request (handlers/task_image.py, PIL + numpy, no transformers).
+every request (handlers/tasks/image.py, PIL + numpy, no transformers).
 
 The recipe says explicitly what transformers' image processors do: resize (`{"height", "width"}` or
 `{"shortest_edge"}`) with a PIL `resample` filter, centre `crop`, `rescale_factor`, per-channel
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from handlers.task_classification import default_function
-from handlers.task_image import RESAMPLE, apply_recipe, check_recipe
+from handlers.tasks.classification import default_function
+from handlers.tasks.image import RESAMPLE, apply_recipe, check_recipe
 from pipeline.core.params import ImageParams, Params, checkpoint_path, resolve_path
 from pipeline.model.families.base import Family, OutputsAsTuple, describe_outputs, labels_of, register
 from pipeline.model.loaded import InputSpec, LoadedModel

@@ -119,7 +119,7 @@ def _wait_ready(p: subprocess.Popen, deadline: float) -> None:
 
 
 def _child(spec: dict) -> dict:
-    from handlers.runtime import load_runtime
+    from handlers.runtimes import load_runtime
     from handlers.tasks import make_adapter
     from pipeline.measure.feeds import read_variant
     from pipeline.serve.checks.http_cases import load_http_cases

@@ -43,7 +43,7 @@ CASES = 16              # distinct queries the load cycles through
 
 def rerank_cases(golden_dir: Path, texts: int, n: int = CASES, seed: int = 1) -> list[HttpCase]:
     """`n` rerank requests of exactly `texts` texts each, from the task's adapter over the golden
-    set's tokenizer (query 5-15 words, passages 30-80 words: handlers/task_rerank.py)."""
+    set's tokenizer (query 5-15 words, passages 30-80 words: handlers/tasks/rerank.py)."""
     from handlers.tasks import make_adapter
     golden_dir = Path(golden_dir)
     task = json.loads((golden_dir / "golden.json").read_text())["task"]

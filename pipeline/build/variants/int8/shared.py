@@ -9,7 +9,7 @@ figures, pipeline/accuracy/task_gate.py) and share the fallback of pipeline/buil
 whole-model quantization misses the gate on the calibration set, the most sensitive ops stay fp32.
 
 Calibration set: `conversion.int8.calibration_samples` requests from the task adapter's example
-distribution (handlers/tasks.py — for text the 5–15-word sentences of the serving load, for images
+distribution (handlers/tasks/__init__.py — for text the 5–15-word sentences of the serving load, for images
 the golden-style pictures, for tensors the golden inputs' distribution), drawn with their own seed
 so they are disjoint from the golden set that verifies the result. Reference outputs on it come from
 the fp32 graph being quantized (ONNX) or the eager module (torch).

@@ -29,7 +29,7 @@ import random
 import numpy as np
 
 from handlers.encode import json_bytes
-from handlers.task_text import example_ids, read_tokenizer
+from handlers.tasks.text import example_ids, read_tokenizer
 from handlers.tasks import (_WORDS, JSON_TYPES, Decoded, RequestError, TaskAdapter, _media_type, _parse_json,
                             _text_of, check_count, check_keys, check_text)
 

@@ -30,10 +30,7 @@ from typing import Optional
 import numpy as np
 import onnxruntime as ort
 
-try:
-    from .runtime import Runtime, RuntimeLoadError, artifact_path, read_artifact
-except ImportError:  # imported as a top-level module (folder on sys.path)
-    from runtime import Runtime, RuntimeLoadError, artifact_path, read_artifact
+from handlers.runtimes import Runtime, RuntimeLoadError, artifact_path, read_artifact
 
 CPU_EP = "CPUExecutionProvider"
 CUDA_EP = "CUDAExecutionProvider"

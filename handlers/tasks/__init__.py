@@ -15,7 +15,7 @@ where `task` is variant.json's "task" mapping (kind + settings, optionally `max_
 - `respond(outputs, i) -> JSON-able` response of sample i (one-row requests).
 
 The tasks with their own module (image-classification, tensor, text-classification, rerank,
-token-classification) are imported on first use by `make_adapter`, so tasks.py keeps the registry
+token-classification) are imported on first use by `make_adapter`, so this package keeps the registry
 and the shared parsing.
 - `example_feeds(batch_size, seq_len=None)` deterministic synthetic feeds (warm-up, benchmarks).
 - `example_requests(n, seed)` deterministic valid (body bytes, content type) pairs.
@@ -207,12 +207,12 @@ _WORDS = ("the a one every small large red quiet bright old new fast slow happy 
 
 
 # Each task in its own module (they import this one): loaded when first asked for.
-TASK_MODULES = {"text-embedding": ("task_embedding", "TextEmbeddingAdapter"),
-                "tensor": ("task_tensor", "TensorAdapter"),
-                "image-classification": ("task_image", "ImageClassificationAdapter"),
-                "text-classification": ("task_classification", "TextClassificationAdapter"),
-                "rerank": ("task_rerank", "RerankAdapter"),
-                "token-classification": ("task_tokens", "TokenClassificationAdapter")}
+TASK_MODULES = {"text-embedding": ("embedding", "TextEmbeddingAdapter"),
+                "tensor": ("tensor", "TensorAdapter"),
+                "image-classification": ("image", "ImageClassificationAdapter"),
+                "text-classification": ("classification", "TextClassificationAdapter"),
+                "rerank": ("rerank", "RerankAdapter"),
+                "token-classification": ("tokens", "TokenClassificationAdapter")}
 KINDS = tuple(TASK_MODULES)
 
 
@@ -221,8 +221,7 @@ def adapter_class(kind: str) -> type:
         raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
     import importlib
     module, name = TASK_MODULES[kind]
-    # Packed as the `handlers` package in the .mar; also importable as top-level modules.
-    return getattr(importlib.import_module(f"{__package__}.{module}" if __package__ else module), name)
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
 
 
 def make_adapter(model_dir: str | Path, task: dict) -> TaskAdapter:

@@ -1,7 +1,7 @@
 """Load and run one built variant: the same code for verification, benchmarks and TorchServe.
 
 `load_runtime(model_dir, device, threads)` reads `model_dir/variant.json` and imports only the
-runtime family it names (`torch` → runtime_torch, `onnx` → runtime_onnx), so an ONNX variant never
+runtime family it names (`torch` → torch_family.py, `onnx` → onnx_family.py), so an ONNX variant never
 pays for `import torch`. Every runtime takes and returns batch-first numpy arrays: inputs are cast
 to the dtypes the artifact declares (e.g. float32 → float16), outputs always come back float32.
 
@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 
 VARIANT_FILE = "variant.json"
-FAMILIES = {"torch": "runtime_torch", "onnx": "runtime_onnx"}
+FAMILIES = {"torch": "torch_family", "onnx": "onnx_family"}
 DEVICES = ("cpu", "cuda")
 LOAD_PHASES = ("import", "read", "deserialize", "to_device")
 
@@ -112,11 +112,7 @@ def load_runtime(model_dir: str | Path, device: str = "cpu", threads: Optional[i
 
 
 def _family_module(family: str):
-    # Packed as the `handlers` package in the .mar; also importable as top-level modules.
-    name = FAMILIES[family]
-    if __package__:
-        return importlib.import_module(f"{__package__}.{name}")
-    return importlib.import_module(name)
+    return importlib.import_module(f"{__package__}.{FAMILIES[family]}")
 
 
 def artifact_path(model_dir: Path, variant: dict) -> Path:

@@ -25,7 +25,7 @@ import numpy as np
 
 from handlers.tasks import (JSON_TYPES, Decoded, RequestError, _json_or_text, _media_type, check_count,
                             check_keys, check_text)
-from handlers.task_text import TextTaskAdapter, parameters_of, positive_int, sigmoid, softmax
+from handlers.tasks.text import TextTaskAdapter, parameters_of, positive_int, sigmoid, softmax
 
 FUNCTIONS = ("sigmoid", "softmax", "none")
 PARAMETERS = ("top_k", "function_to_apply")

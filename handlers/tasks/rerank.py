@@ -18,7 +18,7 @@ import numpy as np
 
 from handlers.tasks import (Decoded, RequestError, _json_or_text, _media_type, check_count, check_keys,
                             check_text)
-from handlers.task_text import TextTaskAdapter, positive_int, sigmoid
+from handlers.tasks.text import TextTaskAdapter, positive_int, sigmoid
 
 KEYS = ("query", "texts", "documents", "raw_scores", "return_text", "top_n", "truncate", "truncation_direction")
 

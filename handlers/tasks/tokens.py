@@ -25,7 +25,7 @@ import random
 import numpy as np
 
 from handlers.tasks import JSON_TYPES, Decoded, RequestError, _json_or_text, _media_type, check_count, check_keys, check_text
-from handlers.task_text import TextTaskAdapter, parameters_of, softmax
+from handlers.tasks.text import TextTaskAdapter, parameters_of, softmax
 
 STRATEGIES = ("none", "simple", "first", "average", "max")
 PARAMETERS = ("aggregation_strategy", "ignore_labels", "stride")

@@ -7,7 +7,7 @@ Answers: `[{"label", "score"}, ...]` sorted by score, `top_k` entries (default p
 none, multi-label or one label → sigmoid, else softmax.
 
 Preprocessing follows an explicit recipe in the task mapping (`preprocess`), written at prepare time
-from an HF folder's preprocessor_config.json or from params `model.image` (pipeline/model/image_task.py)
+from an HF folder's preprocessor_config.json or from params `model.image` (pipeline/model/families/image_classification.py)
 and applied here with PIL + numpy only, step for step as transformers' PIL image processors do:
 - the image is opened, turned upright by its EXIF orientation and converted to RGB (`load_image`);
 - resize (PIL, the recipe's `resample` filter): `{"height", "width"}` exactly, or `{"shortest_edge"}`
@@ -29,8 +29,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from handlers.task_classification import FUNCTIONS, default_function, scores_of
-from handlers.task_text import parameters_of, positive_int
+from handlers.tasks.classification import FUNCTIONS, default_function, scores_of
+from handlers.tasks.text import parameters_of, positive_int
 from handlers.tasks import (JSON_TYPES, Decoded, RequestError, TaskAdapter, _media_type, _parse_json,
                             check_keys)
 

@@ -26,10 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-try:
-    from .runtime import Runtime, RuntimeLoadError, artifact_path
-except ImportError:  # imported as a top-level module (folder on sys.path)
-    from runtime import Runtime, RuntimeLoadError, artifact_path
+from handlers.runtimes import Runtime, RuntimeLoadError, artifact_path
 
 log = logging.getLogger(__name__)
 
