@@ -1,9 +1,11 @@
 """Sentence-transformers' pooling modes over a batch of token states, one function per mode.
 
-Every mode reads the attention mask only, never a Python int taken from a shape, so tracing and
-export keep batch and sequence dynamic, and either padding side gives each row the answer it gets
-alone (`lasttoken` finds each row's last real token; a left-padded decoder batch ends every row on
-it). The formulas are sentence_transformers.models.Pooling's, mode by mode.
+Every mode reads the masks only, never a Python int taken from a shape, so tracing and export keep
+batch and sequence dynamic, and either padding side gives each row the answer it gets alone
+(`lasttoken` finds each row's last real token; a left-padded decoder batch ends every row on it;
+`weightedmean` counts positions from each row's first real token). The formulas are
+sentence_transformers.models.Pooling's, mode by mode. The pooling mask is the attention mask, or, for
+a folder pooled with include_prompt false, the attention mask with the prompt's tokens zeroed.
 """
 from __future__ import annotations
 
@@ -40,10 +42,13 @@ def max_tokens(hidden, attention_mask):
     return hidden.masked_fill(mask == 0, float("-inf")).amax(dim=1)
 
 
-def weighted_mean_tokens(hidden, attention_mask):
-    # Weights 1..sequence by position in the padded row, as sentence-transformers counts them.
-    positions = torch.ones_like(attention_mask).cumsum(dim=1)
-    weights = (attention_mask * positions).unsqueeze(-1).to(hidden.dtype)
+def weighted_mean_tokens(hidden, pooling_mask, attention_mask=None):
+    # Weights 1..sequence by position, as sentence-transformers counts them in a row alone: from the
+    # row's first real token, so left pads (a decoder's batch) never shift a row's weights.
+    attention_mask = pooling_mask if attention_mask is None else attention_mask
+    first = attention_mask.to(torch.int32).argmax(dim=1, keepdim=True)
+    positions = torch.ones_like(attention_mask).cumsum(dim=1) - first
+    weights = (pooling_mask * positions).unsqueeze(-1).to(hidden.dtype)
     return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
 
 
@@ -64,10 +69,16 @@ MODES = {"pooling_mode_cls_token": ("cls", cls_token),
 POOLINGS = {name: fn for name, fn in MODES.values()}
 
 
-def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str, normalize: bool) -> torch.Tensor:
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str, normalize: bool,
+         pooling_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The pooled vector per row in fp32 (a half-precision mean and its norm drift by ~1e-3, and
-    clients take these vectors as unit vectors), L2-normalised when the folder ends with Normalize."""
+    clients take these vectors as unit vectors), L2-normalised when the folder ends with Normalize.
+    `pooling_mask`: the tokens pooled, when not all attended ones are (include_prompt false)."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling {pooling!r} is not supported; supported: {', '.join(POOLINGS)}")
-    pooled = POOLINGS[pooling](hidden.float(), attention_mask)
+    mask = attention_mask if pooling_mask is None else pooling_mask
+    if pooling == "weightedmean":
+        pooled = weighted_mean_tokens(hidden.float(), mask, attention_mask)
+    else:
+        pooled = POOLINGS[pooling](hidden.float(), mask)
     return F.normalize(pooled, p=2.0, dim=1) if normalize else pooled

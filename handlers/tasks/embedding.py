@@ -18,7 +18,10 @@ shape, a list of base64 strings for the `inputs` shape. Anything else is a 400 n
 
 The tokenizer is the folder's as it defines it: its post-processor's tokens (a decoder backbone's
 appended end-of-text), its pad id and its padding side (a decoder pads LEFT); a batch of mixed lengths
-gives every row the answer it gets alone (the pooling reads the attention mask only).
+gives every row the answer it gets alone (the pooling reads the attention mask only). A folder pooled
+with include_prompt false gets a third input, `pooling_mask`: the attention mask with the prompt's
+tokens zeroed, the prompt's length counted as sentence-transformers counts it (the prompt tokenized
+alone, a trailing special token not counted).
 """
 from __future__ import annotations
 
@@ -60,6 +63,8 @@ class TextEmbeddingAdapter(TaskAdapter):
         self.max_texts = int(self.task.get("max_texts", 64))
         self.prompts = dict(self.task.get("prompts") or {})
         self.default_prompt = self.task.get("default_prompt_name")
+        self.include_prompt = self.task.get("include_prompt", True) is not False
+        self.prompt_lengths: dict[str, int] = {}
         self.left_padding = self.task.get("padding_side") == "left"
         if self.task.get("pad_id") is not None:
             self.pad_id = int(self.task["pad_id"])
@@ -176,8 +181,25 @@ class TextEmbeddingAdapter(TaskAdapter):
             raise RequestError(413, f"{what} is {len(enc.ids)} tokens{' with its prompt' if prompt else ''}, over the "
                                     f"model's limit of {self.max_length}; send \"truncate\": true to cut it "
                                     f"(as sentence-transformers does) or split it")
-        return {"input_ids": np.asarray(enc.ids, dtype=np.int64),
-                "attention_mask": np.asarray(enc.attention_mask, dtype=np.int64)}
+        row = {"input_ids": np.asarray(enc.ids, dtype=np.int64),
+               "attention_mask": np.asarray(enc.attention_mask, dtype=np.int64)}
+        if not self.include_prompt:
+            row["pooling_mask"] = row["attention_mask"].copy()
+            row["pooling_mask"][:self.prompt_length(prompt)] = 0
+        return row
+
+    def prompt_length(self, prompt: str) -> int:
+        """The prompt's tokens at the start of a row, as sentence-transformers counts them for
+        include_prompt false: the prompt tokenized alone, less a trailing special token (none: 0)."""
+        if not prompt:
+            return 0
+        if prompt not in self.prompt_lengths:
+            enc = self.tokenizer.encode(prompt)
+            n = len(enc.ids)
+            if n and enc.special_tokens_mask[-1]:
+                n -= 1
+            self.prompt_lengths[prompt] = n
+        return self.prompt_lengths[prompt]
 
     def _decode(self, body, media):
         options = Options(self._prompt())
@@ -213,14 +235,16 @@ class TextEmbeddingAdapter(TaskAdapter):
         if not samples:
             raise ValueError("collate needs at least one sample")
         longest = max(len(s["input_ids"]) for s in samples)
-        ids = np.full((len(samples), longest), self.pad_id, dtype=np.int64)
-        mask = np.zeros((len(samples), longest), dtype=np.int64)
+        feeds = {"input_ids": np.full((len(samples), longest), self.pad_id, dtype=np.int64)}
+        for name in samples[0]:
+            if name not in feeds and name.endswith("_mask"):
+                feeds[name] = np.zeros((len(samples), longest), dtype=np.int64)
         for row, s in enumerate(samples):
             n = len(s["input_ids"])
             cols = slice(longest - n, longest) if self.left_padding else slice(0, n)
-            ids[row, cols] = s["input_ids"]
-            mask[row, cols] = s["attention_mask"]
-        return {"input_ids": ids, "attention_mask": mask}
+            for name, arr in feeds.items():
+                arr[row, cols] = s[name]
+        return feeds
 
     def vector(self, outputs, i, normalize=None) -> np.ndarray:
         """Row i's vector in fp32; unit length when the model's modules normalise or `normalize` asks it."""
@@ -248,7 +272,10 @@ class TextEmbeddingAdapter(TaskAdapter):
         # slowing worker start; benchmarks pass their own length.
         seq_len = int(seq_len or min(self.max_length, 16))
         ids = example_ids(self.tokenizer, batch_size, seq_len)
-        return {"input_ids": ids, "attention_mask": np.ones((batch_size, seq_len), dtype=np.int64)}
+        feeds = {"input_ids": ids, "attention_mask": np.ones((batch_size, seq_len), dtype=np.int64)}
+        if not self.include_prompt:
+            feeds["pooling_mask"] = feeds["attention_mask"].copy()
+        return feeds
 
     def example_requests(self, n, seed=0):
         rng = random.Random(seed)

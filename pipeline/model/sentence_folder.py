@@ -28,11 +28,13 @@ class SentenceFolder:
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: Optional[str] = None
     max_seq_length: Optional[int] = None        # the folder's own limit, None when it names none
+    include_prompt: bool = True                 # false: the prompt's tokens are left out of the pooling
 
     def as_task(self) -> dict:
         """The fields the serving handler computes with (variant.json's task)."""
-        return {"pooling": self.pooling, "normalize": self.normalize, "prompts": dict(self.prompts),
+        task = {"pooling": self.pooling, "normalize": self.normalize, "prompts": dict(self.prompts),
                 "default_prompt_name": self.default_prompt_name}
+        return task if self.include_prompt else {**task, "include_prompt": False}
 
 
 def _json(path: Path) -> dict | list:
@@ -42,8 +44,8 @@ def _json(path: Path) -> dict | list:
         raise CheckpointError(f"{path}: not valid JSON ({e}); restore the file from the model's publisher") from None
 
 
-def pooling_of(cfg_file: Path) -> str:
-    """The one pooling mode 1_Pooling/config.json switches on."""
+def pooling_of(cfg_file: Path) -> tuple[str, bool]:
+    """The one pooling mode 1_Pooling/config.json switches on, and whether the prompt's tokens are pooled."""
     cfg = _json(cfg_file)
     on = [key for key, value in cfg.items() if key.startswith("pooling_mode_") and value is True]
     unknown = [key for key in on if key not in MODES]
@@ -53,12 +55,10 @@ def pooling_of(cfg_file: Path) -> str:
     if len(on) != 1:
         raise CheckpointError(f"{cfg_file}: exactly one pooling mode must be true, found "
                               f"{', '.join(on) if on else 'none'}; supported: {supported}")
-    mode = MODES[on[0]][0]
-    if cfg.get("include_prompt", True) is False and mode != "lasttoken" and mode != "cls":
-        # The prompt's tokens would have to leave the pooled mean while staying in the attention.
-        raise CheckpointError(f"{cfg_file}: include_prompt false with {mode} pooling is not served yet (the prompt's "
-                              f"tokens would leave the pooling); serve a folder with include_prompt true")
-    return mode
+    include_prompt = cfg.get("include_prompt", True)
+    if not isinstance(include_prompt, bool):
+        raise CheckpointError(f"{cfg_file}: include_prompt is {include_prompt!r}; expected true or false")
+    return MODES[on[0]][0], include_prompt
 
 
 def read_sentence_folder(folder: Path) -> SentenceFolder:
@@ -78,7 +78,7 @@ def read_sentence_folder(folder: Path) -> SentenceFolder:
                 cfg_file = folder / m.get("path", "") / "config.json"
                 if not cfg_file.is_file():
                     raise CheckpointError(f"{cfg_file} is missing: modules.json names a Pooling module there")
-                out.pooling = pooling_of(cfg_file)
+                out.pooling, out.include_prompt = pooling_of(cfg_file)
     st_config = folder / "config_sentence_transformers.json"
     if st_config.is_file():
         cfg = _json(st_config)

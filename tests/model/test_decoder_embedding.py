@@ -118,7 +118,7 @@ def test_default_prompt_applies_when_none_is_named(folder, make_params, tmp_path
 
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("key", sorted(MODES))
-def test_every_pooling_mode_equals_sentence_transformers(key, side):
+def test_every_pooling_mode_equals_sentence_transformers_on_each_row_alone(key, side):
     from sentence_transformers.models import Pooling
     torch.manual_seed(0)
     hidden = torch.randn(4, 7, 8)
@@ -130,7 +130,10 @@ def test_every_pooling_mode_equals_sentence_transformers(key, side):
             mask[row, :n] = 1
     name = MODES[key][0]
     st = Pooling(8, pooling_mode={"mean_sqrt_len": "mean_sqrt_len_tokens"}.get(name, name))
-    want = st({"token_embeddings": hidden, "attention_mask": mask})["sentence_embedding"]
+    # the oracle is each row alone (no pads): the answer a request gets whatever its batch-mates
+    want = torch.cat([st({"token_embeddings": hidden[row:row + 1, mask[row] == 1],
+                          "attention_mask": torch.ones(1, n, dtype=torch.int64)})["sentence_embedding"]
+                      for row, n in enumerate(lengths)])
     got = pool(hidden, mask, name, normalize=False)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -146,7 +149,7 @@ def _with_pooling(folder: Path, tmp_path: Path, cfg: dict) -> Path:
     ({"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": True}, "exactly one pooling mode"),
     ({}, "found none"),
     ({"pooling_mode_medoid_tokens": True}, "pooling_mode_medoid_tokens is not supported"),
-    ({"pooling_mode_mean_tokens": True, "include_prompt": False}, "include_prompt false"),
+    ({"pooling_mode_mean_tokens": True, "include_prompt": "no"}, "include_prompt is 'no'"),
 ])
 def test_pooling_the_pipeline_cannot_compute_is_refused_by_name(folder, tmp_path, cfg, words):
     with pytest.raises(CheckpointError) as e:
@@ -154,6 +157,43 @@ def test_pooling_the_pipeline_cannot_compute_is_refused_by_name(folder, tmp_path
     assert words in str(e.value)
     if "include_prompt" not in cfg:                  # the modes supported are listed
         assert "pooling_mode_lasttoken (lasttoken)" in str(e.value), str(e.value)
+
+
+INSTRUCTION = "Represent this sentence for retrieving supporting documents: "
+
+
+@pytest.mark.parametrize("family", ["decoder", "modernbert"])
+@pytest.mark.parametrize("mode", ["mean", "cls", "lasttoken", "weightedmean"])
+def test_include_prompt_false_pools_without_the_prompt_as_sentence_transformers(folder, tmp_path, make_params,
+                                                                                family, mode):
+    """INSTRUCTOR-style pooling: the prompt attended to, left out of the pooled vector. Left padding
+    (the decoder) and right padding (ModernBERT), prompted and plain texts in one batch."""
+    key = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "lasttoken": "pooling_mode_lasttoken",
+           "weightedmean": "pooling_mode_weightedmean_tokens"}[mode]
+    if family == "decoder":
+        copy = _with_pooling(folder, tmp_path, {key: True, "include_prompt": False})
+    else:
+        from scripts.make_modernbert_model import build as build_modernbert
+        copy = build_modernbert(tmp_path / "model", seed=4)
+        (copy / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, key: True,
+                                                                     "include_prompt": False}))
+    (copy / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": INSTRUCTION}}))
+    params = make_params({"name": f"tiny-instructor-{family}", "source": "hf", "checkpoint": str(copy),
+                          "task": "text-embedding", "text": {"max_length": 64}})
+    loaded = load_model(params)
+    assert [i.name for i in loaded.inputs] == ["input_ids", "attention_mask", "pooling_mask"]
+    assert loaded.task["include_prompt"] is False and loaded.task["pooling"] == mode
+    st = sentence_transformer(copy)
+    assert not st[1].include_prompt
+    want = [*st.encode(TEXTS, batch_size=1, prompt_name="query"), *st.encode(TEXTS, batch_size=1)]
+    got = embed(loaded, copy, [*({"text": t, "prompt_name": "query"} for t in TEXTS), {"inputs": TEXTS}])
+    for vector, w in zip(got, want):
+        assert float(vector @ w) / (float(np.linalg.norm(vector)) * float(np.linalg.norm(w))) >= 0.999
+    # the prompt is still attended to: the same text with the prompt pooled in differs
+    pooled_in = sentence_transformer(copy)
+    pooled_in.set_pooling_include_prompt(True)
+    if mode != "lasttoken":
+        assert float(got[1] @ pooled_in.encode([TEXTS[1]], prompt_name="query")[0]) < 0.9999
 
 
 def test_a_module_that_is_not_served_is_refused(folder, tmp_path):

@@ -123,3 +123,30 @@ def test_served_decoder_reranker_equals_cross_encoder(tmp_path):
         assert status == 200, body
         assert [b["index"] for b in body] == list(np.argsort(-want[q], kind="stable"))
         assert max(abs(b["score"] - float(want[q][b["index"]])) for b in body) < 0.01
+
+
+def test_served_include_prompt_false_equals_sentence_transformers_through_onnx(tmp_path, folder):
+    """An INSTRUCTOR-style folder (mean pooling, include_prompt false): the exported graph takes the
+    pooling mask as its third input; prompted and plain texts batched together, left-padded."""
+    from pipeline.core.params import parse_params
+    from pipeline.serve.variant_server import serve_variant
+    copy = tmp_path / "model"
+    shutil.copytree(folder, copy)
+    (copy / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                                 "pooling_mode_mean_tokens": True,
+                                                                 "include_prompt": False}))
+    params = parse_params({"model": {"name": "tiny-instructor", "source": "hf", "checkpoint": str(copy),
+                                     "task": "text-embedding", "text": {"max_length": 96, "max_texts": 8}},
+                           "variants": ["eager", "onnx"], "benchmark": {"batch_sizes": [1, 4]},
+                           "conversion": {"golden_batches": 2}})
+    served = serve_variant(params, tmp_path / "work", variant="onnx",
+                           settings={"batch_size": 8, "max_batch_delay_ms": 100})
+    st = sentence_transformer(copy)
+    texts = TEXTS + MORE
+    bodies = [{"text": t, "prompt_name": "query"} for t in texts] + [{"text": t} for t in texts]
+    want = [*st.encode(texts, batch_size=1, prompt_name="query"), *st.encode(texts, batch_size=1)]
+    with served.ts as ts:
+        answers = _post_all(ts, bodies * 2)
+    for (status, body), w in zip(answers, want * 2):
+        assert status == 200, body
+        assert float(np.asarray(body["embedding"]) @ w) >= 0.999

@@ -2,8 +2,9 @@
 folder, pooled as its sentence-transformers modules say (pipeline/model/sentence_folder.py: one of
 handlers/pooling.py's modes, last-token for a decoder; Normalize), or mean + L2 for a bare encoder folder.
 
-The module takes input_ids and attention_mask and returns the pooled embedding [batch, dim], as
-sentence-transformers computes it (handlers/pooling.py).
+The module takes input_ids and attention_mask (and pooling_mask, for a folder pooled with
+include_prompt false) and returns the pooled embedding [batch, dim], as sentence-transformers
+computes it (handlers/pooling.py).
 """
 from __future__ import annotations
 
@@ -40,13 +41,26 @@ class TextEmbeddingModel(nn.Module):
         self.pass_token_types = "token_type_ids" in accepted
         self.no_cache = "use_cache" in accepted
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         kwargs = {"use_cache": False} if self.no_cache else {}
         # token_type_ids explicit: the encoder's own default slices a buffer by a shape-derived int.
         if self.pass_token_types:
             kwargs["token_type_ids"] = torch.zeros_like(input_ids)
-        out = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        return pool(out.last_hidden_state, attention_mask, self.pooling, self.normalize)
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return pool(self.hidden(input_ids, attention_mask), attention_mask, self.pooling, self.normalize)
+
+
+class PromptExcludedEmbeddingModel(TextEmbeddingModel):
+    """A folder pooled with include_prompt false (INSTRUCTOR-style): every token is attended to, the
+    prompt's are left out of the pooling. `pooling_mask` is the attention mask with the prompt's
+    positions zeroed (the serving adapter makes it, as sentence-transformers' Pooling does)."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                pooling_mask: torch.Tensor) -> torch.Tensor:
+        return pool(self.hidden(input_ids, attention_mask), attention_mask, self.pooling, self.normalize,
+                    pooling_mask=pooling_mask)
 
 
 @register
@@ -58,7 +72,8 @@ class TextEmbedding(Family):
         tokenizer = hf_tokenizer(params, path, "tokenizer.json")
         folder = read_sentence_folder(path)          # before the weights: a refused folder costs no load
         encoder, sources, report = load_module(params, path, self.hf_class(params.model.task))
-        module = TextEmbeddingModel(encoder.float().eval(), folder.pooling, folder.normalize).eval()
+        model_class = TextEmbeddingModel if folder.include_prompt else PromptExcludedEmbeddingModel
+        module = model_class(encoder.float().eval(), folder.pooling, folder.normalize).eval()
         config = getattr(encoder, "config", None)
         hidden = getattr(config, "hidden_size", None)
         limits = {"model.text.max_length": params.model.text.max_length,
@@ -69,9 +84,8 @@ class TextEmbedding(Family):
                 "dim": hidden, "tokenizer": "tokenizer.json", "max_texts": params.model.text.max_texts,
                 **folder.as_task(), **tokenizer_settings(path)}
         seq = {0: "batch", 1: "sequence"}
-        loaded = LoadedModel(module=module,
-                             inputs=[InputSpec("input_ids", "int64", dict(seq)),
-                                     InputSpec("attention_mask", "int64", dict(seq))],
+        names = ["input_ids", "attention_mask"] + ([] if folder.include_prompt else ["pooling_mask"])
+        loaded = LoadedModel(module=module, inputs=[InputSpec(name, "int64", dict(seq)) for name in names],
                              outputs=["embedding"], task=task, extra_files={"tokenizer.json": tokenizer},
                              source_files=sources + [tokenizer])
         return loaded, report
