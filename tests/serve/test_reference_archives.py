@@ -199,8 +199,8 @@ def test_the_folder_form_links_the_variant_and_never_the_repo_code(archived):
         linked, src = (folder / name).stat(), (inputs["variants_dir"] / "torchscript" / name).stat()
         assert linked.st_ino == src.st_ino and linked.st_dev == src.st_dev and linked.st_nlink > 1
     from pipeline.serve.archive import HANDLERS_DIR
-    code = folder / "handlers" / "runtime.py"
-    assert code.stat().st_nlink == 1 and code.stat().st_ino != (HANDLERS_DIR / "runtime.py").stat().st_ino
+    code = folder / "handlers" / "runtimes" / "__init__.py"
+    assert code.stat().st_nlink == 1 and code.stat().st_ino != (HANDLERS_DIR / "runtimes" / "__init__.py").stat().st_ino
     # The folder is still the .mar unpacked, byte for byte.
     with zipfile.ZipFile(art / "model_store" / f"{NAME}.mar") as z:
         for info in z.infolist():
